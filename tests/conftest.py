@@ -8,9 +8,18 @@ concurrent test processes share one build.
 
 from __future__ import annotations
 
+import os
 import pathlib
 
 import pytest
+
+# JAX's persistent compilation cache, shared by every test process (and the
+# server processes tests start): the second compile of any graph is a load.
+# Minimum compile time 0 so that the CPU's sub-second compiles are cached too.
+_REPO = pathlib.Path(__file__).resolve().parents[1]
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(_REPO / ".jax_cache"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 
 @pytest.fixture(scope="session")
