@@ -15,8 +15,12 @@ block as one contiguous ``[S, H]`` tile with no transposes (CPU_PERF.md).
 Token ``p`` of a row lives in block ``block_table[r, p // S]`` at slot
 ``p % S``.
 
-This module holds the pure-``jnp`` reference, which is also the CPU backend:
-``ragged_paged_attention_reference``. The Pallas GPU kernel lives beside it.
+This module holds the two implementations of that contract:
+``ragged_paged_attention`` — the Pallas GPU kernel (Triton lowering; its body
+and schedule are in ``pallas_kernels.rpa_kernel``, its tunables in
+``pallas_kernels.tuning``) — and ``ragged_paged_attention_reference``, the
+pure-``jnp`` reference, which is the CPU backend and the oracle of every
+kernel test.
 """
 
 from __future__ import annotations
@@ -25,6 +29,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels import rpa_kernel
+from pallas_kernels.tuning import TuningConfig, tuning_for
 
 # Masked scores: finite so that a row with every key masked gives exp() == 0,
 # not NaN. Source: the usual flash-attention convention (e.g. JAX's own
@@ -203,3 +210,70 @@ def _check_shapes(q, k_cache, v_cache, block_table, seq_lens, query_start_loc) -
         raise ValueError(f"seq_lens must be [R]=[{num_rows}], got {seq_lens.shape}")
     if query_start_loc.shape != (num_rows + 1,):
         raise ValueError(f"query_start_loc must be [R + 1]=[{num_rows + 1}], got {query_start_loc.shape}")
+
+
+@functools.partial(
+    jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "interpret", "tuning"))
+def ragged_paged_attention(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    block_table: jax.Array,
+    seq_lens: jax.Array,
+    query_start_loc: jax.Array,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    interpret: bool = False,
+    tuning: TuningConfig | None = None,
+) -> jax.Array:
+    """Causal attention of ragged query rows over a paged KV cache: the Pallas kernel.
+
+    Same contract and results as ``ragged_paged_attention_reference`` (decode
+    rows, prefill chunks and prefills continuing after cached blocks in one
+    call; GQA with any N / K, padded to a power of two inside the kernel).
+    Decode-shaped steps (``T <= tuning.decode_max_tokens``) that cannot fill
+    the GPU with one program per (row, KV head) split each row's keys
+    (flash-decoding) and merge the partials in a combine step.
+
+    Args:
+      q: [T, N, H] queries (RoPE applied), bfloat16 or float32.
+      k_cache: [B, K, S, H] keys of one layer in q's dtype, the step's keys
+        already written; block 0 is the null block.
+      v_cache: [B, K, S, H] values of one layer, likewise.
+      block_table: i32[R, MB]; entries past a row's last block are never read.
+      seq_lens: i32[R], tokens of each row including this step's (0 = padding row).
+      query_start_loc: i32[R + 1], non-decreasing from 0; row r's queries are
+        ``q[query_start_loc[r]:query_start_loc[r + 1]]`` and are the last
+        tokens of its sequence; tokens at or past ``query_start_loc[R]`` are
+        padding and give zeros.
+      sm_scale: softmax scale, usually ``H ** -0.5``.
+      sliding_window: if set, a query at position p sees keys at positions
+        ``> p - sliding_window`` only.
+      soft_cap: if set, scores become ``soft_cap * tanh(scores / soft_cap)``.
+      interpret: run in Pallas interpret mode (any backend, e.g. CPU tests).
+      tuning: kernel variant; default ``tuning_for(H, S, dtype)``.
+
+    Returns:
+      [T, N, H] attention output in q's dtype.
+
+    Raises:
+      ValueError: on inconsistent shapes, N not a multiple of K, or q and the
+        cache in different dtypes.
+      NotImplementedError: H not a power of two >= 16, or a dtype other than
+        bfloat16 / float32.
+    """
+    _check_shapes(q, k_cache, v_cache, block_table, seq_lens, query_start_loc)
+    if not (q.dtype == k_cache.dtype == v_cache.dtype):
+        raise ValueError(
+            f"q, k_cache and v_cache must share a dtype, got {q.dtype}, {k_cache.dtype}, "
+            f"{v_cache.dtype}")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+    if tuning is None:
+        tuning = tuning_for(q.shape[2], k_cache.shape[2], q.dtype)
+    return rpa_kernel.ragged_paged_attention_pallas(
+        q, k_cache, v_cache, block_table, seq_lens.astype(jnp.int32),
+        query_start_loc.astype(jnp.int32), sm_scale=sm_scale, sliding_window=sliding_window,
+        soft_cap=soft_cap, tuning=tuning, interpret=interpret)

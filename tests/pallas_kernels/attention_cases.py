@@ -101,3 +101,22 @@ def oracle(case: Case, *, sm_scale: float, sliding_window: int | None = None,
 def relative_error(out: np.ndarray, ref: np.ndarray) -> float:
     """‖out − ref‖ / ‖ref‖ (Frobenius)."""
     return float(np.linalg.norm(out.astype(np.float64) - ref) / np.linalg.norm(ref))
+
+
+def round_to(case: Case, dtype) -> Case:
+    """The case with q and the caches rounded to ``dtype`` (kept as float32 NumPy), so that
+    the float64 oracle sees exactly the inputs a low-precision kernel sees."""
+    import jax.numpy as jnp  # noqa: PLC0415 (the module stays NumPy-only for its other users)
+
+    rounded = {name: np.asarray(jnp.asarray(getattr(case, name), dtype), np.float32)
+               for name in ("q", "k_cache", "v_cache")}
+    return dataclasses.replace(case, **rounded)
+
+
+def device_args(case: Case, dtype) -> tuple:
+    """(q, k_cache, v_cache, block_table, seq_lens, query_start_loc) as jax arrays."""
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    return (jnp.asarray(case.q, dtype), jnp.asarray(case.k_cache, dtype),
+            jnp.asarray(case.v_cache, dtype), jnp.asarray(case.block_table),
+            jnp.asarray(case.seq_lens), jnp.asarray(case.query_start_loc))

@@ -1,0 +1,292 @@
+"""The Pallas (Triton) kernel behind ``ragged_paged_attention``.
+
+The public entry point, its contract and its pure-jnp reference live in
+``pallas_kernels.ragged_paged_attention``; this module holds the pieces that
+run on the GPU: the tile schedule (which program serves which query tokens),
+the kernel body, its ``pallas_call`` with a ``CostEstimate``, and the split-K
+combine step.
+
+Grid: ``(NT, K, NS)`` — query tiles x KV heads x KV splits. A query tile is up
+to ``block_q`` consecutive tokens of one row; with the row's GQA group of G
+query heads (padded inside the kernel to a power of two, G_pad) it makes a
+``[block_q * G_pad, H]`` matrix, so one program reads each K/V tile of its row
+once for all the query heads that share the KV head. Tokens past the last row
+(padding) form one more pseudo-row with no keys, whose programs write zeros.
+NT is a static bound (``num_query_tiles``); programs past the step's real
+tiles have no tokens and do nothing.
+
+Keys are read in tiles of ``block_kv`` tokens, gathered token by token through
+the block table (``block_table[r, p // S]``, slot ``p % S``), so the tile is
+independent of the block size and NaN-filled or foreign blocks are never read
+(masked loads). Scores use the online softmax of FlashAttention-2 (Dao, 2023)
+in base 2 (``exp2`` with log2(e) folded into the scores). With NS > 1 each
+program covers 1/NS of its row's key range and writes unnormalised partials
+(acc, running max m, sum l); ``combine_splits`` merges them (flash-decoding,
+Dao et al., 2023).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.tuning import TuningConfig, num_kv_splits
+
+LOG2E = math.log2(math.e)
+# Finite, so that exp2(MASK - m) is 0 and never NaN (JAX's pallas ops use the same).
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+# Columns of the tile schedule, i32[NT, 5].
+_ROW, _Q_START, _Q_END, _KV_LEN, _POS_OFFSET = range(5)
+
+
+def next_pow2(x: int) -> int:
+    return 1 << max(0, x - 1).bit_length()
+
+
+def num_query_tiles(num_tokens: int, num_rows: int, block_q: int) -> int:
+    """Static bound on the query tiles of a step: NT = ceil(T / block_q) + R + 1.
+
+    Row r (and the padding pseudo-row) needs ceil(len_r / block_q) tiles, and
+    sum_r ceil(len_r / q) < sum_r len_r / q + (R + 1) = T / q + R + 1.
+    """
+    return -(-num_tokens // block_q) + num_rows + 1
+
+
+def tile_schedule(query_start_loc: jax.Array, seq_lens: jax.Array, *, num_tokens: int,
+                  block_q: int) -> jax.Array:
+    """Which tokens each query tile serves, computed on device from the metadata.
+
+    Args:
+      query_start_loc: i32[R + 1]. seq_lens: i32[R].
+      num_tokens: T. block_q: tokens per tile.
+
+    Returns:
+      i32[NT, 5]: per tile ``(row, q_start, q_end, kv_len, pos_offset)``:
+      tokens ``q_start <= t < q_end`` of block-table row ``row`` (clamped to
+      R - 1 for the padding pseudo-row), which has ``kv_len`` keys; token t is
+      at position ``t + pos_offset``. Unused tiles have ``q_start == q_end``
+      and ``kv_len == 0``.
+    """
+    num_rows = seq_lens.shape[0]
+    qsl = query_start_loc.astype(jnp.int32)
+    end = qsl[num_rows]
+    starts = jnp.concatenate([qsl[:-1], end[None]])  # [R + 1]
+    lens = jnp.concatenate([qsl[1:] - qsl[:-1], (num_tokens - end)[None]])
+    lens = jnp.maximum(lens, 0)  # [R + 1]; the last is the padding pseudo-row
+    kv_len = jnp.concatenate([seq_lens.astype(jnp.int32), jnp.zeros((1,), jnp.int32)])
+    tiles_per_row = (lens + block_q - 1) // block_q  # [R + 1]
+    last = jnp.cumsum(tiles_per_row)  # [R + 1] one past each row's last tile
+    tile = jnp.arange(num_query_tiles(num_tokens, num_rows, block_q), dtype=jnp.int32)
+    row = jnp.searchsorted(last, tile, side="right").astype(jnp.int32)  # [NT] in [0, R + 1]
+    live = row <= num_rows
+    row = jnp.minimum(row, num_rows)
+    q_start = starts[row] + (tile - (last[row] - tiles_per_row[row])) * block_q
+    row_end = starts[row] + lens[row]
+    q_end = jnp.minimum(q_start + block_q, row_end)
+    return jnp.stack([
+        jnp.minimum(row, num_rows - 1),
+        jnp.where(live, q_start, 0),
+        jnp.where(live, q_end, 0),
+        jnp.where(live, kv_len[row], 0),
+        kv_len[row] - row_end,
+    ], axis=1)
+
+
+def _rpa_kernel(tiles_ref, block_table_ref, q_ref, k_ref, v_ref, *out_refs, num_heads: int,
+                num_kv_heads: int, block_q: int, block_kv: int, block_size: int, max_blocks: int,
+                sm_scale: float, sliding_window: int | None, soft_cap: float | None,
+                num_splits: int):
+    # tiles_ref:       i32[NT, 5]  (tile_schedule)
+    # block_table_ref: i32[R, MB]
+    # q_ref:           [T·N, H]    q viewed flat: token t, head n at row t·N + n
+    # k_ref, v_ref:    [B·K·S, H]  cache viewed flat: block b, KV head k, slot s at (b·K + k)·S + s
+    # out_refs, NS == 1: o_ref [T·N, H] in q's dtype
+    #           NS > 1:  acc_ref f32[NS, T·N, H], m_ref f32[NS, T·N], l_ref f32[NS, T·N]
+    tile, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    row = tiles_ref[tile, _ROW]
+    q_start = tiles_ref[tile, _Q_START]
+    q_end = tiles_ref[tile, _Q_END]
+    kv_len = tiles_ref[tile, _KV_LEN]
+    pos_offset = tiles_ref[tile, _POS_OFFSET]
+    group = num_heads // num_kv_heads
+    group_pad = next_pow2(group)
+    block_m = block_q * group_pad
+    head_dim = q_ref.shape[1]
+    num_q_rows = q_ref.shape[0]
+
+    lane = jnp.arange(block_m, dtype=jnp.int32)  # [M] query rows of the tile: token-major
+    token = q_start + lane // group_pad  # [M]
+    g = lane % group_pad  # [M] head within the group; >= group is GQA padding
+    row_ok = (token < q_end) & (g < group)  # [M]
+    # Masked lanes point past the array (distinct, never dereferenced): masked
+    # stores of interpret mode then drop them instead of racing real rows.
+    q_rows = jnp.where(row_ok, token * num_heads + kv_head * group + g, num_q_rows + lane)  # [M]
+    q_pos = token + pos_offset  # [M] position of each query in its sequence
+    cols = jnp.arange(head_dim, dtype=jnp.int32)  # [H]
+    q = plgpu.load(q_ref.at[q_rows[:, None], cols[None, :]], mask=row_ok[:, None],
+                   other=0.0)  # [M, H]
+
+    # Keys this program reads: causal up to the tile's last query, from the
+    # sliding window's start (aligned to block_kv), then this split's share.
+    hi = jnp.minimum(kv_len, q_end + pos_offset)
+    lo = jnp.int32(0)
+    if sliding_window is not None:
+        lo = jnp.maximum(q_start + pos_offset - sliding_window + 1, 0)
+        lo = (lo // block_kv) * block_kv
+    num_iters = jnp.maximum((hi - lo + block_kv - 1) // block_kv, 0)
+    per_split = (num_iters + num_splits - 1) // num_splits
+    it_lo = split * per_split
+    it_hi = jnp.minimum(it_lo + per_split, num_iters)
+
+    def body(it, carry):
+        m, l, acc = carry  # [M], [M], [M, H] f32; m in log2 units
+        k_pos = lo + it * block_kv + jnp.arange(block_kv, dtype=jnp.int32)  # [BKV]
+        kv_ok = k_pos < hi  # [BKV]
+        col = jnp.minimum(k_pos // block_size, max_blocks - 1)
+        blk = plgpu.load(block_table_ref.at[row, col], mask=kv_ok, other=0)  # [BKV]
+        kv_rows = (blk * num_kv_heads + kv_head) * block_size + k_pos % block_size
+        kv_rows = jnp.where(kv_ok, kv_rows, 0)  # [BKV]
+        k = plgpu.load(k_ref.at[kv_rows[:, None], cols[None, :]], mask=kv_ok[:, None],
+                       other=0.0)  # [BKV, H]
+        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                                preferred_element_type=jnp.float32) * sm_scale  # [M, BKV]
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        mask = kv_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])  # [M, BKV]
+        if sliding_window is not None:
+            mask &= k_pos[None, :] > q_pos[:, None] - sliding_window
+        s = jnp.where(mask, s * LOG2E, MASK_VALUE)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))  # [M]
+        alpha = jnp.exp2(m - m_new)
+        p = jnp.where(mask, jnp.exp2(s - m_new[:, None]), 0.0)  # [M, BKV] f32
+        l = l * alpha + jnp.sum(p, axis=1)
+        v = plgpu.load(v_ref.at[kv_rows[:, None], cols[None, :]], mask=kv_ok[:, None],
+                       other=0.0)  # [BKV, H]
+        pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                                 preferred_element_type=jnp.float32)  # [M, H]
+        return m_new, l, acc * alpha[:, None] + pv
+
+    init = (jnp.full((block_m,), MASK_VALUE, jnp.float32), jnp.zeros((block_m,), jnp.float32),
+            jnp.zeros((block_m, head_dim), jnp.float32))
+    m, l, acc = jax.lax.fori_loop(it_lo, it_hi, body, init)
+
+    if num_splits == 1:
+        (o_ref,) = out_refs
+        out = acc / jnp.where(l > 0.0, l, 1.0)[:, None]  # rows with no keys (padding) give 0
+        plgpu.store(o_ref.at[q_rows[:, None], cols[None, :]], out.astype(o_ref.dtype),
+                    mask=row_ok[:, None])
+    else:
+        acc_ref, m_ref, l_ref = out_refs
+        plgpu.store(acc_ref.at[split, q_rows[:, None], cols[None, :]], acc, mask=row_ok[:, None])
+        plgpu.store(m_ref.at[split, q_rows], m, mask=row_ok)
+        plgpu.store(l_ref.at[split, q_rows], l, mask=row_ok)
+
+
+def combine_splits(acc: jax.Array, m: jax.Array, l: jax.Array, dtype) -> jax.Array:
+    """Merges split-K partials (the final step of flash-decoding).
+
+    Args:
+      acc: f32[NS, T·N, H] unnormalised outputs; m: f32[NS, T·N] running
+        maxima of the base-2 scores; l: f32[NS, T·N] sums of exp2(s - m).
+      dtype: output dtype.
+
+    Returns:
+      [T·N, H]: sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s with M = max_s m_s;
+      0 where no split saw a key (padding tokens).
+    """
+    m_max = jnp.max(m, axis=0)  # [T·N]
+    w = jnp.exp2(m - m_max[None])  # [NS, T·N]
+    l_sum = jnp.sum(w * l, axis=0)
+    out = jnp.sum(w[..., None] * acc, axis=0) / jnp.where(l_sum > 0.0, l_sum, 1.0)[:, None]
+    return out.astype(dtype)
+
+
+def cost_estimate(*, num_tokens: int, num_rows: int, num_heads: int, num_kv_heads: int,
+                  head_dim: int, max_blocks: int, block_size: int, itemsize: int,
+                  num_splits: int, soft_cap: bool) -> pl.CostEstimate:
+    """A decode-shaped upper estimate of one call's work.
+
+    Assumes every live row (at most ``min(T, R)``) reads the full context the
+    block table can address (``MB * S`` tokens) once per KV head,
+    and every query attends to ``MB * S`` keys: exact for decode rows at
+    full context, an over-estimate for shorter rows and for causal prefill.
+
+    Bytes: K and V ``2 * min(T, R) * K * MB * S * H * itemsize``, plus q and
+    the output (``T * N * H * itemsize`` each; f32 partials with m and l per
+    split under split-K, written once and read once by the combine), the live
+    rows of the block table and the tile schedule.
+    """
+    live_rows = min(num_tokens, num_rows)
+    max_context = max_blocks * block_size
+    kv_bytes = 2 * live_rows * num_kv_heads * max_context * head_dim * itemsize
+    q_bytes = num_tokens * num_heads * head_dim * itemsize
+    out_bytes = q_bytes
+    if num_splits > 1:
+        out_bytes = 2 * num_splits * num_tokens * num_heads * (head_dim + 2) * 4
+    table_bytes = 4 * (live_rows * max_blocks + 5 * num_rows)
+    scores = num_tokens * num_heads * max_context
+    return pl.CostEstimate(
+        flops=4 * scores * head_dim,
+        transcendentals=scores * (2 if soft_cap else 1),
+        bytes_accessed=kv_bytes + q_bytes + out_bytes + table_bytes,
+    )
+
+
+@functools.partial(jax.named_call, name="ragged_paged_attention_pallas")
+def ragged_paged_attention_pallas(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, *,
+                                  sm_scale: float, sliding_window: int | None,
+                                  soft_cap: float | None, tuning: TuningConfig,
+                                  interpret: bool) -> jax.Array:
+    """Runs the kernel (and the split-K combine); arguments as ``ragged_paged_attention``.
+
+    Shapes are assumed checked by the caller. Returns [T, N, H] in q's dtype.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_blocks, num_kv_heads, block_size, _ = k_cache.shape
+    num_rows, max_blocks = block_table.shape
+    group_pad = next_pow2(num_heads // num_kv_heads)
+    max_context = max_blocks * block_size
+    decode_shaped = num_tokens <= tuning.decode_max_tokens
+    block_m = max(tuning.decode_block_m if decode_shaped else tuning.block_m, group_pad)
+    block_q = block_m // group_pad
+    num_splits = num_kv_splits(tuning, num_tokens=num_tokens, num_rows=num_rows,
+                               num_kv_heads=num_kv_heads, max_context=max_context)
+
+    tiles = tile_schedule(query_start_loc, seq_lens, num_tokens=num_tokens, block_q=block_q)
+    num_q_rows = num_tokens * num_heads
+    if num_splits == 1:
+        out_shape = jax.ShapeDtypeStruct((num_q_rows, head_dim), q.dtype)
+    else:
+        out_shape = (jax.ShapeDtypeStruct((num_splits, num_q_rows, head_dim), jnp.float32),
+                     jax.ShapeDtypeStruct((num_splits, num_q_rows), jnp.float32),
+                     jax.ShapeDtypeStruct((num_splits, num_q_rows), jnp.float32))
+    kernel = functools.partial(
+        _rpa_kernel, num_heads=num_heads, num_kv_heads=num_kv_heads, block_q=block_q,
+        block_kv=tuning.block_kv, block_size=block_size, max_blocks=max_blocks,
+        sm_scale=float(sm_scale), sliding_window=sliding_window, soft_cap=soft_cap,
+        num_splits=num_splits)
+    grid = (tiles.shape[0], num_kv_heads, num_splits)
+    out = pl.pallas_call(
+        kernel,
+        grid=grid,
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=tuning.num_warps,
+                                             num_stages=tuning.num_stages),
+        cost_estimate=cost_estimate(
+            num_tokens=num_tokens, num_rows=num_rows, num_heads=num_heads,
+            num_kv_heads=num_kv_heads, head_dim=head_dim, max_blocks=max_blocks,
+            block_size=block_size, itemsize=q.dtype.itemsize, num_splits=num_splits, soft_cap=soft_cap is not None),
+        interpret=interpret,
+        name=f"ragged_paged_attention_m{block_m}_kv{tuning.block_kv}_s{num_splits}",
+    )(tiles, block_table.astype(jnp.int32), q.reshape(num_q_rows, head_dim),
+      k_cache.reshape(num_blocks * num_kv_heads * block_size, head_dim),
+      v_cache.reshape(num_blocks * num_kv_heads * block_size, head_dim))
+    if num_splits > 1:
+        out = combine_splits(*out, q.dtype)
+    return out.reshape(num_tokens, num_heads, head_dim)
