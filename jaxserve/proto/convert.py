@@ -1,0 +1,113 @@
+"""Mappings between the public proto messages and jaxserve's Python values.
+
+Used on both sides of the wire: the client builds ``SamplingParams`` messages
+from keyword arguments or a ``jaxserve.SamplingParams``; the api process turns
+a message back into keyword arguments (``sampling_params_kwargs_from_proto``)
+and validates them (``jaxserve.api.validation``). Neither direction validates
+ranges: that is ``SamplingParams``' job, on the server.
+
+Presence: every scalar field of the ``SamplingParams`` message is ``optional``,
+so "absent" (take the default) and "set to the default value" stay distinct.
+Absent ``max_tokens`` means ``None`` (up to the context length), not
+``SamplingParams``' default of 16.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from jaxserve.proto import generate_pb2 as pb
+from jaxserve.sampling_params import SamplingParams
+
+SAMPLING_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(SamplingParams))
+_REPEATED = ("stop", "stop_token_ids")
+_SEED_MODULUS = 2**64  # SamplingParams.seed is taken modulo 2**64; the wire type is uint64
+
+FINISH_REASONS: dict[str, int] = {
+    "stop": pb.FINISH_REASON_STOP,
+    "length": pb.FINISH_REASON_LENGTH,
+    "abort": pb.FINISH_REASON_ABORT,
+}
+_FINISH_REASON_NAMES = {value: name for name, value in FINISH_REASONS.items()}
+
+
+def sampling_params_to_proto(
+        params: SamplingParams | Mapping[str, Any] | None = None) -> pb.SamplingParams:
+    """A ``SamplingParams`` message from a ``SamplingParams`` or a dict of its fields.
+
+    A ``SamplingParams`` object sets every field explicitly (so the server sees
+    exactly this object). A mapping sets only its keys; ``None`` values are left
+    absent. ``stop`` may be one string. Values are not range-checked here.
+
+    Raises:
+      ValueError: an unknown key, or a value the wire type cannot hold (wrong
+        type, out of the int32 range); the message starts with the field name.
+    """
+    if params is None:
+        return pb.SamplingParams()
+    values = params.to_dict() if isinstance(params, SamplingParams) else dict(params)
+    message = pb.SamplingParams()
+    for name, value in values.items():
+        if name not in SAMPLING_FIELDS:
+            raise ValueError(f"{name}: unknown sampling parameter")
+        if value is None:
+            continue
+        try:
+            _set_field(message, name, value)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"{name}: cannot send {value!r}: {err}") from None
+    return message
+
+
+def _set_field(message: pb.SamplingParams, name: str, value: Any) -> None:
+    if name == "stop":
+        message.stop.extend([value] if isinstance(value, str) else list(value))
+    elif name == "stop_token_ids":
+        message.stop_token_ids.extend(list(value))
+    elif name == "logit_bias":
+        for token, bias in dict(value).items():
+            message.logit_bias[int(token)] = bias
+    elif name == "seed":
+        message.seed = int(value) % _SEED_MODULUS
+    else:
+        setattr(message, name, value)
+
+
+def sampling_params_kwargs_from_proto(message: pb.SamplingParams) -> dict[str, Any]:
+    """Keyword arguments for ``SamplingParams`` from a message, honouring presence.
+
+    Absent scalars are left out (their ``SamplingParams`` default applies),
+    except ``max_tokens``, which maps to ``None`` when absent. Empty
+    ``stop`` / ``stop_token_ids`` / ``logit_bias`` are left out.
+    """
+    kwargs: dict[str, Any] = {"max_tokens": None}
+    for name in SAMPLING_FIELDS:
+        if name in _REPEATED:
+            if getattr(message, name):
+                kwargs[name] = tuple(getattr(message, name))
+        elif name == "logit_bias":
+            if message.logit_bias:
+                kwargs[name] = dict(message.logit_bias)
+        elif message.HasField(name):
+            kwargs[name] = getattr(message, name)
+    return kwargs
+
+
+def finish_reason_to_proto(reason: str | None) -> int:
+    """``"stop"`` / ``"length"`` / ``"abort"`` / ``None`` -> ``FinishReason`` value.
+
+    Raises:
+      ValueError: any other string.
+    """
+    if reason is None:
+        return pb.FINISH_REASON_UNSPECIFIED
+    if reason not in FINISH_REASONS:
+        raise ValueError(f"finish_reason must be one of {sorted(FINISH_REASONS)}, got {reason!r}")
+    return FINISH_REASONS[reason]
+
+
+def finish_reason_from_proto(value: int) -> str | None:
+    """Inverse of ``finish_reason_to_proto``; unknown values (a newer server) -> ``None``."""
+    return _FINISH_REASON_NAMES.get(value)
