@@ -1,0 +1,169 @@
+"""Engine configuration: scheduler, KV cache and bucket ladders (frozen, jax-free).
+
+Values only the worker knows (the number of KV blocks when sized from a
+memory budget, the model's maximum length, its EOS ids) come back from
+``Worker.initialize`` as a ``Geometry``; ``EngineConfig.resolved`` returns a
+new config holding them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxserve.step_plan import Geometry, WorkerInit
+
+# Bottom of the T ladder on the CPU (measured on the demo model, float32,
+# docs/engine.md): T=1 takes XLA's matrix-vector path (~27 ms/step), T=2
+# already costs as much as T=4 (~50 ms), so the ladder goes 1, 4, 8, 16, ...
+CPU_TOKEN_LADDER_BOTTOM = (1, 4)
+
+
+def default_token_buckets(max_num_batched_tokens: int) -> tuple[int, ...]:
+    """T ladder: 1, 4, then powers of two up to (and always ending at) the token budget."""
+    ladder = [t for t in CPU_TOKEN_LADDER_BOTTOM if t < max_num_batched_tokens]
+    t = 8
+    while t < max_num_batched_tokens:
+        ladder.append(t)
+        t *= 2
+    ladder.append(max_num_batched_tokens)
+    return tuple(ladder)
+
+
+def default_request_buckets(max_num_seqs: int) -> tuple[int, ...]:
+    """R ladder: 1, 2, 4, ... up to (and always ending at) ``max_num_seqs``."""
+    ladder, r = [], 1
+    while r < max_num_seqs:
+        ladder.append(r)
+        r *= 2
+    ladder.append(max_num_seqs)
+    return tuple(ladder)
+
+
+def _check_ladder(name: str, ladder: tuple[int, ...], top: int) -> None:
+    if not ladder or list(ladder) != sorted(set(ladder)) or ladder[0] < 1:
+        raise ValueError(f"{name} must be strictly increasing positive ints, got {ladder}")
+    if ladder[-1] < top:
+        raise ValueError(f"{name} must reach {top}, got {ladder}")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Continuous-batching limits (vLLM's names).
+
+    Attributes:
+      max_num_seqs: most running sequences (worker rows).
+      max_num_batched_tokens: the token budget of one step.
+      enable_chunked_prefill: split long prefills over steps; when off, a
+        prompt must fit the budget whole.
+      token_buckets: the T ladder; () = ``default_token_buckets``.
+      request_buckets: the R ladder; () = ``default_request_buckets``.
+
+    Raises:
+      ValueError: a limit < 1, or a ladder not increasing or not reaching
+        its limit.
+    """
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    enable_chunked_prefill: bool = True
+    token_buckets: tuple[int, ...] = ()
+    request_buckets: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_seqs ({self.max_num_seqs}) and max_num_batched_tokens "
+                             f"({self.max_num_batched_tokens}) must be >= 1")
+        setattr_ = object.__setattr__
+        setattr_(self, "token_buckets", tuple(int(t) for t in self.token_buckets)
+                 or default_token_buckets(self.max_num_batched_tokens))
+        setattr_(self, "request_buckets", tuple(int(r) for r in self.request_buckets)
+                 or default_request_buckets(self.max_num_seqs))
+        _check_ladder("token_buckets", self.token_buckets, self.max_num_batched_tokens)
+        _check_ladder("request_buckets", self.request_buckets, self.max_num_seqs)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """The logical KV cache.
+
+    Attributes:
+      block_size: S, tokens per block.
+      num_kv_blocks: B including the null block; None = sized by the worker
+        from ``kv_cache_bytes``.
+      kv_cache_bytes: the KV cache budget when ``num_kv_blocks`` is None.
+      enable_prefix_caching: share full blocks between requests by a hash
+        chain over their tokens.
+    """
+
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_bytes: int = 1 << 30
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ValueError(f"num_kv_blocks must be >= 2 (block 0 is reserved), "
+                             f"got {self.num_kv_blocks}")
+        if self.kv_cache_bytes < 1:
+            raise ValueError(f"kv_cache_bytes must be >= 1, got {self.kv_cache_bytes}")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Everything the engine core needs.
+
+    Attributes:
+      model: Hugging Face model directory, or None for the demo model.
+      dtype: "float32" (CPU default) or "bfloat16".
+      max_model_len: longest sequence in tokens; None = the model's maximum.
+      scheduler, cache: see their classes.
+      attention_backend: None = the worker's platform default.
+      seed: the server seed for unseeded sampling.
+      eos_token_ids: filled from the worker's geometry by ``resolved``.
+    """
+
+    model: str | None = None
+    dtype: str = "float32"
+    max_model_len: int | None = None
+    scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
+    cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
+    attention_backend: str | None = None
+    seed: int = 0
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+    def worker_init(self) -> WorkerInit:
+        """The ``initialize`` request for the worker."""
+        return WorkerInit(
+            model=self.model, dtype=self.dtype, block_size=self.cache.block_size,
+            num_kv_blocks=self.cache.num_kv_blocks, kv_cache_bytes=self.cache.kv_cache_bytes,
+            max_num_seqs=self.scheduler.max_num_seqs, max_model_len=self.max_model_len,
+            token_buckets=self.scheduler.token_buckets,
+            request_buckets=self.scheduler.request_buckets,
+            attention_backend=self.attention_backend, seed=self.seed)
+
+    def resolved(self, geometry: Geometry) -> "EngineConfig":
+        """A new config with the worker's geometry filled in.
+
+        Raises:
+          ValueError: the geometry disagrees with the request (block size), or
+            one sequence of ``max_model_len`` tokens would not fit the cache
+            (it could then never finish, even alone).
+        """
+        if geometry.block_size != self.cache.block_size:
+            raise ValueError(f"worker block size {geometry.block_size} != "
+                             f"{self.cache.block_size}")
+        usable = (geometry.num_kv_blocks - 1) * geometry.block_size
+        if usable < geometry.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {usable} tokens ({geometry.num_kv_blocks - 1} blocks of "
+                f"{geometry.block_size}), fewer than max_model_len={geometry.max_model_len}; "
+                f"raise num_kv_blocks / kv_cache_bytes or lower max_model_len")
+        return dataclasses.replace(
+            self, max_model_len=geometry.max_model_len, eos_token_ids=geometry.eos_token_ids,
+            cache=dataclasses.replace(self.cache, num_kv_blocks=geometry.num_kv_blocks))

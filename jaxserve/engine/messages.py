@@ -1,0 +1,110 @@
+"""What goes into and comes out of the engine core (vLLM V1's names; jax-free).
+
+``EngineCoreRequest`` is a tokenized request; ``EngineCoreOutput`` is one
+sequence's progress in one step. Stop strings and detokenization are not
+the engine's job: the output processor matches stop strings on the text and
+then aborts the sequence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal, NamedTuple
+
+from jaxserve.sampling_params import SamplingParams
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EngineCoreRequest:
+    """A tokenized request.
+
+    Attributes:
+      request_id: unique among unfinished requests.
+      prompt_token_ids: the prompt, >= 1 token, each in [0, V).
+      sampling_params: ``n > 1`` forks the request into ``n`` sequences
+        (indices 0 .. n - 1) that share the prompt's KV blocks.
+      arrival_time: seconds (``time.time()``), for metrics.
+      cache_salt: isolates this request's prefix-cache entries: only
+        requests with the same salt share blocks.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float = 0.0
+    cache_salt: str | None = None
+
+
+class SampleLogprobs(NamedTuple):
+    """Logprobs of one generated token.
+
+    ``logprob`` is the sampled token's, ``rank`` its rank (1 = most likely),
+    ``top_token_ids`` / ``top_logprobs`` the top N (N = SamplingParams.logprobs).
+    """
+
+    logprob: float
+    rank: int
+    top_token_ids: tuple[int, ...]
+    top_logprobs: tuple[float, ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EngineCoreOutput:
+    """One sequence's new tokens from one step, and whether it finished.
+
+    Attributes:
+      request_id: the request's id.
+      index: the sample index in [0, n).
+      new_token_ids: tokens generated this step (1 per step today).
+      new_logprobs: one ``SampleLogprobs`` per new token when asked, else None.
+      finish_reason: None while running; "stop" (EOS or a stop token id),
+        "length" (max_tokens or the model's maximum length) or "abort".
+      stop_reason: the stop token id that ended the sequence (None for EOS
+        and for other finish reasons).
+      num_prompt_tokens: the prompt's length.
+      num_cached_tokens: prompt tokens found in the prefix cache at the
+        sequence's first scheduling.
+    """
+
+    request_id: str
+    index: int
+    new_token_ids: list[int]
+    new_logprobs: list[SampleLogprobs] | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EngineStats:
+    """A snapshot of the engine's state and counters.
+
+    KV blocks exclude the null block: ``kv_blocks_free + kv_blocks_cached +
+    kv_blocks_used == kv_blocks_total``. Free blocks hold no cached prefix;
+    cached ones do and may be evicted (LRU) to allocate.
+    Prefix-cache counters are in tokens, counted when a sequence is scheduled
+    from waiting: ``prefix_cache_queries`` prompt tokens looked up,
+    ``prefix_cache_hits`` of them found.
+    """
+
+    num_waiting: int
+    num_running: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+    kv_blocks_cached: int
+    kv_blocks_used: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    num_steps: int
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0

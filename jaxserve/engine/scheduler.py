@@ -1,0 +1,303 @@
+"""The scheduler: continuous batching in the vLLM V1 style (jax-free).
+
+Contract: ``schedule()`` picks this step's work and returns a
+``ScheduledStep``; the engine turns it into a ``StepPlan``
+(``plan_builder``), the worker runs it, and ``update()`` feeds the sampled
+tokens back and returns one ``EngineCoreOutput`` per sampling sequence.
+
+One step, one token budget (``max_num_batched_tokens``):
+
+1. **Running sequences first**, in arrival order: each gets the tokens it
+   still lacks (1 for decode, the rest of its prompt for a chunked prefill),
+   capped by the budget. When its blocks cannot be allocated, the *latest
+   arrival* among the running sequences is preempted (blocks and row freed,
+   back to the front of the waiting queue), until it fits — or until it is
+   the one preempted.
+2. **Waiting sequences**, first come first served, only in steps without
+   preemption: prefix-cache hits first, then as many prompt tokens as the
+   budget allows (chunked prefill), while rows and blocks last. Siblings of
+   an ``n > 1`` request wait until sequence 0 has computed the prompt, then
+   find it in the prefix cache.
+
+``num_computed_tokens`` advances when a step is scheduled (so the next step
+could be planned before this one returns); blocks full of computed tokens
+enter the prefix cache in ``update``. A sequence samples when the step
+computes its last known token.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import dataclasses
+
+from jaxserve.engine.block_manager import BlockManager
+from jaxserve.engine.config import EngineConfig
+from jaxserve.engine.messages import EngineCoreOutput, EngineCoreRequest, SampleLogprobs
+from jaxserve.engine.request import FINISH_REASONS, Request, RequestGroup, RequestStatus
+from jaxserve.step_plan import StepResult
+
+_ORDER = lambda r: r.order  # noqa: E731
+
+
+@dataclasses.dataclass(slots=True)
+class ScheduledStep:
+    """One step's schedule, in token order (``SchedulerOutput`` in vLLM).
+
+    ``num_computed`` holds each sequence's cached tokens *before* the step;
+    ``new_reqs`` the sequences that start on a row this step (a ``NewRow``);
+    ``freed_rows`` the rows released since the previous step.
+    """
+
+    reqs: list[Request] = dataclasses.field(default_factory=list)
+    num_computed: list[int] = dataclasses.field(default_factory=list)
+    num_tokens: list[int] = dataclasses.field(default_factory=list)
+    sample: list[bool] = dataclasses.field(default_factory=list)
+    new_reqs: list[Request] = dataclasses.field(default_factory=list)
+    freed_rows: list[int] = dataclasses.field(default_factory=list)
+    preempted: list[Request] = dataclasses.field(default_factory=list)
+    total_tokens: int = 0
+
+    def add(self, req: Request, num_tokens: int) -> None:
+        c = req.num_computed_tokens
+        self.reqs.append(req)
+        self.num_computed.append(c)
+        self.num_tokens.append(num_tokens)
+        req.num_computed_tokens = c + num_tokens
+        self.sample.append(c + num_tokens == len(req.token_ids))
+        self.total_tokens += num_tokens
+
+
+class Scheduler:
+    """Requests, their sequences, the block manager and the worker rows.
+
+    Args:
+      config: a resolved ``EngineConfig`` (``num_kv_blocks`` and
+        ``max_model_len`` known).
+    """
+
+    def __init__(self, config: EngineConfig):
+        assert config.cache.num_kv_blocks is not None and config.max_model_len is not None
+        self.config = config
+        self.max_num_seqs = config.scheduler.max_num_seqs
+        self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
+        self.chunked_prefill = config.scheduler.enable_chunked_prefill
+        self.max_model_len = config.max_model_len
+        self.block_size = config.cache.block_size
+        self.block_manager = BlockManager(config.cache.num_kv_blocks, config.cache.block_size,
+                                          config.cache.enable_prefix_caching)
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []  # sorted by arrival (Request.order)
+        self.groups: dict[str, RequestGroup] = {}
+        self.free_rows = list(range(self.max_num_seqs - 1, -1, -1))  # pop() -> lowest row
+        self.freed_rows: list[int] = []  # released since the last schedule
+        self.num_preemptions = 0
+        self._arrivals = 0
+
+    # --------------------------------------------------------------- requests
+    def add_request(self, request: EngineCoreRequest, vocab_size: int | None = None) -> None:
+        """Queues a request (``n`` sequences).
+
+        Raises:
+          ValueError: duplicate unfinished request id; empty prompt; prompt
+            leaving no room below ``max_model_len``; token ids outside the
+            vocabulary; a prompt longer than the budget without chunked
+            prefill; ``prompt_logprobs`` (not supported).
+        """
+        rid, prompt, sp = request.request_id, request.prompt_token_ids, request.sampling_params
+        if rid in self.groups:
+            raise ValueError(f"request_id {rid!r} is already in use")
+        if not prompt:
+            raise ValueError("prompt_token_ids must not be empty")
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(prompt)} tokens; max_model_len is "
+                             f"{self.max_model_len} (at least one token must be generated)")
+        if vocab_size is not None and (min(prompt) < 0 or max(prompt) >= vocab_size):
+            raise ValueError(f"prompt_token_ids must be in [0, {vocab_size})")
+        if not self.chunked_prefill and len(prompt) > self.max_num_batched_tokens:
+            raise ValueError(f"prompt has {len(prompt)} tokens, more than max_num_batched_tokens "
+                             f"({self.max_num_batched_tokens}) without chunked prefill")
+        if sp.prompt_logprobs is not None:
+            raise NotImplementedError("prompt_logprobs is not supported")
+        group = RequestGroup(rid)
+        caching = self.block_manager.enable_caching
+        # Siblings share the prompt through the cache; with caching off, under
+        # a salt no other request can produce.
+        salt = request.cache_salt if caching else f"\0group:{rid}:{self._arrivals}"
+        for i in range(sp.n):
+            seed = None if sp.seed is None else sp.seed + i  # vLLM's child seeds
+            req = Request(rid, i, group, prompt, sp, seed, request.arrival_time,
+                          (self._arrivals, i), self.max_model_len,
+                          self.config.eos_token_ids, caching or sp.n > 1, salt)
+            group.sequences.append(req)
+            self.waiting.append(req)
+        group.num_unfinished = sp.n
+        self.groups[rid] = group
+        self._arrivals += 1
+
+    def abort_requests(self, ids) -> None:
+        """Aborts requests (a request id) or single sequences ((request id, index)).
+
+        Unknown or finished ids are ignored. Blocks and rows are released now;
+        no output is emitted (the caller knows).
+        """
+        aborted = []
+        for key in ids:
+            rid, index = (key, None) if isinstance(key, str) else key
+            group = self.groups.get(rid)
+            if group is None:
+                continue
+            for req in group.sequences:
+                if (index is None or req.index == index) and not req.is_finished:
+                    aborted.append(req)
+        if not aborted:
+            return
+        gone = {id(r) for r in aborted}
+        self.running = [r for r in self.running if id(r) not in gone]
+        self.waiting = collections.deque(r for r in self.waiting if id(r) not in gone)
+        for req in aborted:
+            self._finish(req, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.groups)
+
+    # -------------------------------------------------------------- schedule
+    def schedule(self) -> ScheduledStep:
+        """Chooses this step's sequences and token counts (see the module docstring)."""
+        step = ScheduledStep()
+        budget = self.max_num_batched_tokens
+        bm, running = self.block_manager, self.running
+        i = 0
+        while i < len(running) and budget > 0:
+            req = running[i]
+            n = min(len(req.token_ids) - req.num_computed_tokens, budget)
+            total = req.num_computed_tokens + n
+            if len(req.block_ids) * self.block_size < total:  # needs new blocks
+                while not bm.allocate_slots(req, total):
+                    victim = running.pop()  # the latest arrival
+                    self._preempt(victim)
+                    step.preempted.append(victim)
+                    if victim is req:
+                        break
+                if req.status != RequestStatus.RUNNING:
+                    break
+            step.add(req, n)
+            budget -= n
+            i += 1
+
+        if not step.preempted:
+            self._schedule_waiting(step, budget)
+        step.freed_rows, self.freed_rows = self.freed_rows, []
+        return step
+
+    def _schedule_waiting(self, step: ScheduledStep, budget: int) -> None:
+        bm, waiting, skipped = self.block_manager, self.waiting, []
+        while waiting and budget > 0 and self.free_rows:
+            req = waiting[0]
+            if req.index > 0 and not req.group.prompt_ready:
+                skipped.append(waiting.popleft())
+                continue
+            hits = bm.find_cached_blocks(req)
+            num_cached = len(hits) * self.block_size
+            n = req.num_tokens - num_cached
+            if n > budget:
+                if not self.chunked_prefill:
+                    break
+                n = budget
+            if not bm.allocate_slots(req, num_cached + n, hits):
+                break
+            waiting.popleft()
+            if req.cacheable:
+                bm.record_lookup(req.num_tokens, num_cached)
+            if not req.scheduled_before:
+                req.num_cached_tokens = num_cached
+                req.scheduled_before = True
+            req.num_computed_tokens = num_cached
+            req.status = RequestStatus.RUNNING
+            req.row = self.free_rows.pop()
+            req.num_blocks_sent = 0
+            bisect.insort(self.running, req, key=_ORDER)
+            step.new_reqs.append(req)
+            step.add(req, n)
+            budget -= n
+        waiting.extendleft(reversed(skipped))
+
+    def _preempt(self, req: Request) -> None:
+        self.block_manager.free(req)
+        req.status = RequestStatus.WAITING
+        req.num_computed_tokens = 0
+        self._release_row(req)
+        req.num_blocks_sent = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    # ---------------------------------------------------------------- update
+    def update(self, step: ScheduledStep, result: StepResult) -> list[EngineCoreOutput]:
+        """Appends the sampled tokens, caches full blocks, finishes sequences.
+
+        Returns one output per sequence that sampled (in schedule order).
+        """
+        outputs: list[EngineCoreOutput] = []
+        tokens = result.token_ids.tolist()
+        if len(tokens) != sum(step.sample):
+            raise ValueError(f"worker returned {len(tokens)} tokens for "
+                             f"{sum(step.sample)} sampling rows")
+        bm = self.block_manager
+        j = 0
+        finished = False
+        for req, sample in zip(step.reqs, step.sample):
+            if req.status != RequestStatus.RUNNING:  # aborted meanwhile
+                j += sample
+                continue
+            if req.cacheable:
+                bm.cache_full_blocks(req)
+            if req.index == 0 and req.num_computed_tokens >= req.num_prompt_tokens:
+                req.group.prompt_ready = True
+            if not sample:
+                continue
+            status = req.append_token(tokens[j])
+            logprobs = self._logprobs(result, j) if req.wants_logprobs else None
+            j += 1
+            if status is None:
+                outputs.append(EngineCoreOutput(
+                    req.request_id, req.index, [req.token_ids[-1]], logprobs,
+                    num_prompt_tokens=req.num_prompt_tokens,
+                    num_cached_tokens=req.num_cached_tokens))
+                continue
+            self._finish(req, status)
+            finished = True
+            outputs.append(EngineCoreOutput(
+                req.request_id, req.index, [req.token_ids[-1]], logprobs,
+                finish_reason=FINISH_REASONS[status], stop_reason=req.stop_reason,
+                num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens))
+        if finished:
+            self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
+        return outputs
+
+    def _logprobs(self, result: StepResult, j: int) -> list[SampleLogprobs] | None:
+        if result.logprob is None:
+            return None
+        top_ids = result.top_token_ids[j]
+        keep = top_ids >= 0
+        return [SampleLogprobs(float(result.logprob[j]), int(result.rank[j]),
+                               tuple(top_ids[keep].tolist()),
+                               tuple(result.top_logprobs[j][keep].tolist()))]
+
+    def _release_row(self, req: Request) -> None:
+        self.free_rows.append(req.row)
+        self.freed_rows.append(req.row)  # the worker learns it with the next plan
+        req.row = -1
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        """Marks ``req`` finished and releases its blocks and row (not its running slot)."""
+        if req.row >= 0:
+            self._release_row(req)
+        self.block_manager.free(req)
+        req.status = status
+        group = req.group
+        if req.index == 0:
+            group.prompt_ready = True  # siblings no longer wait for it
+        group.num_unfinished -= 1
+        if group.num_unfinished == 0:
+            del self.groups[req.request_id]

@@ -1,0 +1,224 @@
+"""The engine → worker contract: step plans, step results, and the worker interface.
+
+Jax-free (NumPy and the standard library only): the engine process imports
+this module, and a later transport (gRPC) serializes these dataclasses field
+by field — every array is a 1-D or 2-D NumPy array of a fixed dtype, every
+other field a plain int / bool / str or a ``SamplingParams``.
+
+The worker keeps one persistent **row** per running sequence (DESIGN.md
+"The step plan"): its block table row, its token ids, its sampling
+parameters and seed, its penalty statistics. A ``StepPlan`` carries only
+
+- the **row diffs** since the previous plan, applied in this order:
+  ``freed_rows`` (finished, aborted or preempted sequences), ``new_rows``
+  (a sequence's first step on a row: all its known token ids, its
+  parameters, its first blocks), ``append_rows`` / ``append_block_ids``
+  (blocks appended to existing rows, in order);
+- the **schedule**: the rows that run this step in token order, the tokens
+  already in the cache for each (``num_computed``), how many query tokens
+  each runs, and which rows sample a token afterwards;
+- the **bucket** ``(T, R)`` the worker pads the step to.
+
+So a decode step's plan is O(rows), never O(rows × blocks). A row's input
+tokens always come from the worker's own copy of its token ids: prompt
+tokens from ``NewRow.token_ids``, generated tokens from what the worker
+itself sampled (so the engine can plan step N + 1 before step N returns).
+Preemption is a freed row; the sequence comes back later as a ``NewRow``
+holding its prompt plus every token generated so far.
+
+Shape legend (docs/legend.md): n scheduled rows, s = number of rows that
+sample (``sample.sum()``), F freed rows, A appended blocks, P a row's known
+tokens, NL top logprobs per token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol
+
+import numpy as np
+
+from jaxserve.sampling_params import SamplingParams
+
+_I32 = np.int32
+
+
+def _i32(name: str, value: np.ndarray, ndim: int = 1) -> np.ndarray:
+    arr = np.asarray(value)
+    if arr.dtype != _I32 or arr.ndim != ndim:
+        raise ValueError(f"{name} must be i32 with {ndim} dims, got {arr.dtype} {arr.shape}")
+    return arr
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class WorkerInit:
+    """What the engine asks the worker to load and how to size it (``initialize``).
+
+    Attributes:
+      model: a Hugging Face model directory, or None for the demo model.
+      dtype: parameter and KV cache dtype name ("float32" on CPU).
+      block_size: S, tokens per KV block.
+      num_kv_blocks: B including the null block; None = size from
+        ``kv_cache_bytes``.
+      kv_cache_bytes: KV cache budget in bytes when ``num_kv_blocks`` is None.
+      max_num_seqs: rows the worker keeps (the most running sequences).
+      max_model_len: longest sequence in tokens; None = the model's maximum.
+      token_buckets: the T ladder (ascending).
+      request_buckets: the R ladder (ascending).
+      attention_backend: None = the platform default.
+      seed: seeds the server PRNG key of unseeded requests.
+    """
+
+    model: str | None
+    dtype: str
+    block_size: int
+    num_kv_blocks: int | None
+    kv_cache_bytes: int
+    max_num_seqs: int
+    max_model_len: int | None
+    token_buckets: tuple[int, ...]
+    request_buckets: tuple[int, ...]
+    attention_backend: str | None = None
+    seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Geometry:
+    """What the worker reports after ``initialize``.
+
+    Attributes:
+      num_kv_blocks: B, including the null block 0 (never allocated).
+      block_size: S.
+      max_model_len: longest sequence in tokens (prompt + output).
+      vocab_size: V.
+      eos_token_ids: the model's end-of-sequence ids.
+    """
+
+    num_kv_blocks: int
+    block_size: int
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class NewRow:
+    """A sequence's first step on a worker row.
+
+    Attributes:
+      row: the row index in ``[0, max_num_seqs)``.
+      token_ids: i32[P], every known token: the prompt, then (for a resumed,
+        preempted sequence) the tokens generated before.
+      num_prompt_tokens: how many of ``token_ids`` are prompt (for penalties).
+      sampling_params: the sequence's parameters (``n`` is ignored; the seed
+        is ``seed`` below).
+      seed: the per-sequence seed, or None to draw from the server key.
+      block_ids: i32[nb], the row's first blocks (prefix-cache hits first).
+    """
+
+    row: int
+    token_ids: np.ndarray  # [P] i32
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    seed: int | None
+    block_ids: np.ndarray  # [nb] i32
+
+    def __post_init__(self) -> None:
+        _i32("token_ids", self.token_ids)
+        _i32("block_ids", self.block_ids)
+        if not 0 < self.num_prompt_tokens <= len(self.token_ids):
+            raise ValueError(f"num_prompt_tokens {self.num_prompt_tokens} outside "
+                             f"(0, {len(self.token_ids)}]")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepPlan:
+    """One step: row diffs, the schedule and the bucket. See the module docstring.
+
+    Attributes:
+      step_id: increasing step counter (for logs and result matching).
+      freed_rows: i32[F], applied first.
+      new_rows: the rows that start this step, applied second.
+      append_rows: i32[A] the row of each appended block, applied third.
+      append_block_ids: i32[A] the appended block ids, in order per row.
+      rows: i32[n] the rows that run, in token order (a row appears once).
+      num_computed: i32[n] tokens of each row already in the KV cache; the
+        row's query tokens are its token ids at positions
+        ``num_computed .. num_computed + num_tokens - 1``.
+      num_tokens: i32[n] query tokens of each row, >= 1.
+      sample: bool[n] whether the row samples the token after its last one.
+      num_tokens_bucket: T >= num_tokens.sum(), on the T ladder.
+      num_reqs_bucket: R >= sample.sum(), on the R ladder; 0 when no row
+        samples (the logits and sampler are skipped).
+    """
+
+    step_id: int
+    freed_rows: np.ndarray  # [F] i32
+    new_rows: tuple[NewRow, ...]
+    append_rows: np.ndarray  # [A] i32
+    append_block_ids: np.ndarray  # [A] i32
+    rows: np.ndarray  # [n] i32
+    num_computed: np.ndarray  # [n] i32
+    num_tokens: np.ndarray  # [n] i32
+    sample: np.ndarray  # [n] bool
+    num_tokens_bucket: int
+    num_reqs_bucket: int
+
+    def __post_init__(self) -> None:
+        for name in ("freed_rows", "append_rows", "append_block_ids", "rows", "num_computed",
+                     "num_tokens"):
+            _i32(name, getattr(self, name))
+        n = len(self.rows)
+        if not (len(self.num_computed) == len(self.num_tokens) == len(self.sample) == n):
+            raise ValueError("rows, num_computed, num_tokens and sample need one entry per row")
+        if len(self.append_rows) != len(self.append_block_ids):
+            raise ValueError("append_rows and append_block_ids differ in length")
+        if self.sample.dtype != np.bool_:
+            raise ValueError(f"sample must be bool, got {self.sample.dtype}")
+
+    @property
+    def total_tokens(self) -> int:
+        """Real (unpadded) tokens in the step."""
+        return int(self.num_tokens.sum())
+
+    @property
+    def num_sampled(self) -> int:
+        """s, the rows that sample."""
+        return int(self.sample.sum())
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepResult:
+    """The worker's answer to a ``StepPlan``: one entry per sampling row.
+
+    Entries follow the plan's rows with ``sample`` set, in plan order.
+    The logprob arrays are None when no sampling row asked for logprobs.
+
+    Attributes:
+      step_id: the plan's step id.
+      token_ids: i32[s] sampled tokens.
+      logprob: f32[s] the sampled token's logprob (NaN where not asked).
+      rank: i32[s] its rank, 1 = most likely (-1 where not asked).
+      top_token_ids: i32[s, NL] top-N ids, -1 past a row's N.
+      top_logprobs: f32[s, NL] their logprobs, descending.
+    """
+
+    step_id: int
+    token_ids: np.ndarray  # [s] i32
+    logprob: np.ndarray | None = None  # [s] f32
+    rank: np.ndarray | None = None  # [s] i32
+    top_token_ids: np.ndarray | None = None  # [s, NL] i32
+    top_logprobs: np.ndarray | None = None  # [s, NL] f32
+
+
+class Worker(Protocol):
+    """The worker interface: in process now (``InProcessWorker``), over gRPC later."""
+
+    def initialize(self, init: WorkerInit) -> Geometry:
+        """Loads the model and allocates the KV cache and the rows."""
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Applies the plan's row diffs, runs the step, returns the sampled tokens."""
+
+    def shutdown(self) -> None:
+        """Releases the device state."""

@@ -1,0 +1,128 @@
+"""The worker's persistent per-row state, on the host, updated by step-plan diffs.
+
+One row per running sequence for its lifetime (DESIGN.md "The step plan"):
+its token ids (prompt, then what the worker itself sampled), its block
+table row, and its sampling parameters as the sampler's per-row arrays.
+Row ``M = max_num_seqs`` is a permanent *padding row* with neutral
+parameters, so that gathering ``params[rows_padded_with_M]`` gives the
+padded sampler inputs directly.
+
+Shape legend: M rows, L max model length, MB = ceil(L / S) blocks per row,
+V vocab, NB logit-bias width, NE banned-ids width.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jaxserve.step_plan import NewRow
+from jaxserve.worker.sampler import build_sampling_metadata
+from jaxserve.worker.sampler.metadata import DEFAULT_BANNED_WIDTH, DEFAULT_LOGIT_BIAS_WIDTH
+
+# Per-row sampler fields copied from build_sampling_metadata (one row at a time).
+PARAM_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
+                "presence_penalty", "frequency_penalty", "seeds", "seeded", "logit_bias_ids",
+                "logit_bias_values", "banned_ids", "num_logprobs")
+
+
+class RowState:
+    """Host arrays of all rows; see the module docstring.
+
+    Args:
+      max_num_seqs: M.
+      max_model_len: L.
+      block_size: S.
+      vocab_size: V.
+      eos_token_ids: the model's EOS ids (banned until ``min_tokens``).
+    """
+
+    def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int, vocab_size: int,
+                 eos_token_ids: tuple[int, ...]):
+        m, self.max_model_len = max_num_seqs, max_model_len
+        self.max_num_seqs, self.block_size, self.vocab_size = m, block_size, vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.max_blocks = -(-max_model_len // block_size)  # MB
+        self.in_use = np.zeros(m, bool)  # [M]
+        self.token_ids = np.zeros((m, max_model_len), np.int32)  # [M, L]
+        self.num_tokens = np.zeros(m, np.int32)  # [M]
+        self.num_prompt_tokens = np.zeros(m, np.int32)  # [M]
+        self.min_tokens = np.zeros(m + 1, np.int32)  # [M + 1]
+        self.block_table = np.zeros((m, self.max_blocks), np.int32)  # [M, MB] null-padded
+        self.num_blocks = np.zeros(m, np.int32)  # [M]
+        self.has_penalty = np.zeros(m + 1, bool)  # [M + 1]
+        pad = build_sampling_metadata([], prompt_token_ids=[], output_token_ids=[],
+                                      vocab_size=vocab_size, num_rows=1)
+        # [M + 1, ...] per field; row M stays the neutral padding row.
+        self.params = {f: np.repeat(getattr(pad, f), m + 1, axis=0) for f in PARAM_FIELDS}
+
+    def free(self, rows: np.ndarray) -> None:
+        """Releases rows (i32[F]).
+
+        Raises:
+          ValueError: a row that is not in use.
+        """
+        if rows.size and not self.in_use[rows].all():
+            raise ValueError(f"freeing rows not in use: {rows[~self.in_use[rows]].tolist()}")
+        self.in_use[rows] = False
+        self.num_tokens[rows] = 0
+        self.num_blocks[rows] = 0
+        self.block_table[rows] = 0
+
+    def add(self, new: NewRow):
+        """Fills a new row; returns its one-row SamplingMetadata (NumPy) for penalty state.
+
+        Raises:
+          ValueError: the row is in use or out of range, too many tokens or
+            blocks, a token id outside the vocabulary, or invalid parameters.
+        """
+        r, p = new.row, len(new.token_ids)
+        if not 0 <= r < self.max_num_seqs or self.in_use[r]:
+            raise ValueError(f"new row {r} is out of range or in use")
+        if p > self.max_model_len or len(new.block_ids) > self.max_blocks:
+            raise ValueError(f"row {r}: {p} tokens / {len(new.block_ids)} blocks exceed "
+                             f"{self.max_model_len} / {self.max_blocks}")
+        sp = new.sampling_params
+        if new.seed != sp.seed or sp.n != 1:
+            sp = dataclasses.replace(sp, seed=new.seed, n=1)
+        ids = new.token_ids
+        meta = build_sampling_metadata(
+            [sp], prompt_token_ids=[ids[:new.num_prompt_tokens]],
+            output_token_ids=[ids[new.num_prompt_tokens:]], vocab_size=self.vocab_size,
+            eos_token_ids=self.eos_token_ids, logit_bias_width=DEFAULT_LOGIT_BIAS_WIDTH,
+            banned_width=DEFAULT_BANNED_WIDTH)
+        for f in PARAM_FIELDS:
+            self.params[f][r] = getattr(meta, f)[0]
+        self.in_use[r] = True
+        self.token_ids[r, :p] = ids
+        self.num_tokens[r] = p
+        self.num_prompt_tokens[r] = new.num_prompt_tokens
+        self.min_tokens[r] = sp.min_tokens
+        self.has_penalty[r] = (sp.repetition_penalty != 1.0 or sp.presence_penalty != 0.0
+                               or sp.frequency_penalty != 0.0)
+        nb = len(new.block_ids)
+        self.block_table[r, :nb] = new.block_ids
+        self.block_table[r, nb:] = 0
+        self.num_blocks[r] = nb
+        return meta
+
+    def append_blocks(self, rows: np.ndarray, block_ids: np.ndarray) -> None:
+        """Appends blocks (in order) to rows; i32[A] each.
+
+        Raises:
+          ValueError: a row not in use, or a row's table would overflow.
+        """
+        for r, b in zip(rows.tolist(), block_ids.tolist()):
+            n = self.num_blocks[r]
+            if not self.in_use[r] or n >= self.max_blocks:
+                raise ValueError(f"cannot append block {b} to row {r}")
+            self.block_table[r, n] = b
+            self.num_blocks[r] = n + 1
+
+    def append_sampled(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
+        """Appends each row's sampled token (i32[s]); a full row keeps its length."""
+        n = self.num_tokens[rows]
+        ok = n < self.max_model_len
+        self.token_ids[rows[ok], n[ok]] = token_ids[ok]
+        self.num_tokens[rows[ok]] = n[ok] + 1

@@ -1,0 +1,124 @@
+"""Test helper: a jax-free worker that simulates a paged KV cache exactly.
+
+``FakeWorker`` follows the step-plan contract the way the real worker does
+(persistent rows updated by diffs, input tokens from its own rows, sampled
+tokens appended to its rows) but its "KV cache" holds, in every slot, the
+position of the token written there and a 61-bit digest of the whole
+sequence up to it: ``kv[p] = mix(kv[p - 1], token[p])``, with ``kv[p - 1]``
+read *through the block table*, as attention reads its context. The
+"sampled" token is a function of that digest. So a wrong block table, a
+prefix-cache hit on a block with other content, a stale block, or a token
+fed at the wrong position changes the outputs or trips an assertion —
+the oracle for the engine tests is the same requests run alone on a big
+cache.
+
+It also checks the contract: buckets on the ladders and large enough, rows
+freed before reuse, tokens and blocks present for every scheduled position,
+no real token written into the null block.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxserve.step_plan import Geometry, NewRow, StepPlan, StepResult, WorkerInit
+
+_MASK = (1 << 61) - 1
+
+
+def _mix(prev: int, token: int, position: int) -> int:
+    return ((prev ^ (token + 0x9E3779B97F4A7C15)) * 0x100000001B3 + position) & _MASK
+
+
+class FakeWorker:
+    """A worker whose 'model' is a digest of the context; see the module docstring.
+
+    Args:
+      num_kv_blocks: used when the init asks for None.
+      max_model_len: the model's maximum length.
+      vocab_size: V; token = digest % V.
+      eos_token_ids: reported in the geometry.
+    """
+
+    def __init__(self, num_kv_blocks: int = 512, max_model_len: int = 256, vocab_size: int = 64,
+                 eos_token_ids: tuple[int, ...] = (0,)):
+        self.default_blocks = num_kv_blocks
+        self.model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.buckets: list[tuple[int, int]] = []
+        self.plans: list[StepPlan] = []
+        self.keep_plans = False
+
+    def initialize(self, init: WorkerInit) -> Geometry:
+        self.init = init
+        self.block_size = init.block_size
+        self.num_blocks = init.num_kv_blocks or self.default_blocks
+        self.max_model_len = min(init.max_model_len or self.model_len, self.model_len)
+        self.kv: dict[int, tuple[int, int]] = {}  # slot -> (position, digest)
+        self.rows: dict[int, dict] = {}
+        return Geometry(self.num_blocks, self.block_size, self.max_model_len, self.vocab_size,
+                        self.eos_token_ids)
+
+    def _new_row(self, new: NewRow) -> None:
+        assert new.row not in self.rows, f"row {new.row} reused before it was freed"
+        assert 0 <= new.row < self.init.max_num_seqs
+        self.rows[new.row] = dict(tokens=new.token_ids.tolist(), blocks=new.block_ids.tolist(),
+                                  params=new.sampling_params)
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        if self.keep_plans:
+            self.plans.append(plan)
+        T, R = plan.num_tokens_bucket, plan.num_reqs_bucket
+        assert T in self.init.token_buckets and plan.total_tokens <= T, (T, plan.total_tokens)
+        assert (R == 0) == (plan.num_sampled == 0)
+        assert R == 0 or (R in self.init.request_buckets and plan.num_sampled <= R)
+        self.buckets.append((T, R))
+        for row in plan.freed_rows.tolist():
+            assert row in self.rows, f"freed row {row} is not in use"
+            del self.rows[row]
+        for new in plan.new_rows:
+            self._new_row(new)
+        for row, block in zip(plan.append_rows.tolist(), plan.append_block_ids.tolist()):
+            self.rows[row]["blocks"].append(block)
+        assert len(set(plan.rows.tolist())) == len(plan.rows), "a row scheduled twice"
+        s = self.block_size
+        sampled, logprob = [], []
+        for row, c, n, smp in zip(plan.rows.tolist(), plan.num_computed.tolist(),
+                                  plan.num_tokens.tolist(), plan.sample.tolist()):
+            state = self.rows[row]
+            tokens, blocks = state["tokens"], state["blocks"]
+            assert n >= 1 and c + n <= len(tokens), (row, c, n, len(tokens))
+            assert len(blocks) * s >= c + n, "too few blocks for the step's tokens"
+            digest = 0
+            for p in range(c, c + n):
+                if p > 0:
+                    prev_slot = blocks[(p - 1) // s] * s + (p - 1) % s
+                    assert prev_slot in self.kv, f"context slot of position {p - 1} never written"
+                    pos, digest = self.kv[prev_slot]
+                    assert pos == p - 1, f"slot holds position {pos}, expected {p - 1}"
+                block = blocks[p // s]
+                assert block != 0, "a real token written into the null block"
+                digest = _mix(digest, tokens[p], p)
+                self.kv[block * s + p % s] = (p, digest)
+            if smp:
+                assert c + n == len(tokens), "sampling a row that has not computed all its tokens"
+                token = (digest >> 11) % self.vocab_size
+                tokens.append(token)
+                sampled.append(token)
+                logprob.append(-((digest >> 3) % 1000) / 100.0)
+        wants = any(self.rows[r]["params"].logprobs is not None
+                    for r, smp in zip(plan.rows.tolist(), plan.sample.tolist()) if smp)
+        k = len(sampled)
+        result = StepResult(plan.step_id, np.array(sampled, np.int32))
+        if wants:
+            top_ids = np.full((k, 2), -1, np.int32)
+            top_ids[:, 0] = sampled
+            top_lp = np.full((k, 2), -np.inf, np.float32)
+            top_lp[:, 0] = logprob
+            result = StepResult(plan.step_id, result.token_ids, np.array(logprob, np.float32),
+                                np.ones(k, np.int32), top_ids, top_lp)
+        return result
+
+    def shutdown(self) -> None:
+        self.rows.clear()
