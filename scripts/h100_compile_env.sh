@@ -42,5 +42,6 @@ fi
 
 cd "$repo"
 export JAX_PLATFORMS=cpu
+export JAX_ENABLE_COMPILATION_CACHE=false
 export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
-exec "$venv/bin/python" -m pytest -m h100 tests/pallas_kernels -p no:cacheprovider "$@"
+exec "$venv/bin/python" -m pytest -m h100 -s -q tests/pallas_kernels -p no:cacheprovider "$@"

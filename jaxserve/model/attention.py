@@ -2,8 +2,10 @@
 
 Backends (``ATTENTION_BACKENDS``):
   ``reference`` — pure jnp (pallas_kernels.ragged_paged_attention), the CPU default;
-  ``pallas`` — the Pallas GPU kernel, the GPU default;
+  ``pallas`` — the Pallas GPU kernel (``rpa.ragged_paged_attention``, Triton
+  lowering), the GPU default;
   ``pallas_interpret`` — the same kernel in Pallas interpret mode (CPU tests).
+Both implement one contract (see ``pallas_kernels.ragged_paged_attention``).
 """
 
 from __future__ import annotations
@@ -59,10 +61,7 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
             metadata.query_start_loc, sm_scale=sm_scale, sliding_window=sliding_window,
             soft_cap=soft_cap)
     if backend in ("pallas", "pallas_interpret"):
-        kernel = getattr(rpa, "ragged_paged_attention", None)
-        if kernel is None:
-            raise NotImplementedError("the Pallas ragged paged attention kernel is not built yet")
-        return kernel(
+        return rpa.ragged_paged_attention(
             q, k_cache, v_cache, metadata.block_table, metadata.seq_lens,
             metadata.query_start_loc, sm_scale=sm_scale, sliding_window=sliding_window,
             soft_cap=soft_cap, interpret=backend == "pallas_interpret")

@@ -1,0 +1,91 @@
+"""Deviceless compile for an H100 (marker ``h100``; run with scripts/h100_compile_env.sh).
+
+Needs the CUDA plugin (jax-cuda12-plugin / jax-cuda12-pjrt of jax's version),
+``JAX_PLATFORMS=cpu`` and ptxas: XLA then compiles the Triton kernels to
+cubins for a topology built from pallas_kernels/h100_target_config.pbtxt,
+which also checks each kernel's shared memory against the H100's opt-in
+limit. Skipped when the plugin is absent (the default environment).
+
+Each compile dumps XLA's thunk sequence, from which the kernel's launch grid,
+threads and shared memory are read and printed (``pytest -s``).
+"""
+
+import os
+import pathlib
+import re
+import tempfile
+
+import jax
+import pytest
+
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+from pallas_kernels.tuning import DEFAULT_TUNING, TuningConfig
+from tests.pallas_kernels.shapes import (DEMO_DECODE, LLAMA3_8B_DECODE_2K, LLAMA3_8B_DECODE_8K,
+                                         LLAMA3_8B_PREFILL_8K, Problem, table_problems)
+
+pytest.importorskip("jax_plugins.xla_cuda12", reason="CUDA plugin absent: scripts/h100_compile_env.sh")
+pytestmark = pytest.mark.h100
+
+TARGET_CONFIG = pathlib.Path(__file__).parents[2] / "pallas_kernels" / "h100_target_config.pbtxt"
+_THUNK = re.compile(r"(\S+) grid: \[([^\]]*)\] threads: \[([^\]]*)\]\s+shared_memory: (\d+) bytes")
+
+
+def _smem_limit() -> int:
+    text = TARGET_CONFIG.read_text()
+    return int(re.search(r"shared_memory_per_block_optin: (\d+)", text).group(1))
+
+
+@pytest.fixture(scope="module")
+def h100():
+    """A sharding on one device of an H100 topology (no GPU needed)."""
+    if os.environ.get("JAX_PLATFORMS") != "cpu":
+        pytest.skip("the deviceless compile needs JAX_PLATFORMS=cpu")
+    from jax.experimental import topologies  # noqa: PLC0415
+
+    # A persistent-cache hit would skip the compile (and its dump) we check.
+    jax.config.update("jax_enable_compilation_cache", False)
+    topology = topologies.get_topology_desc("h100", "cuda", target_config=TARGET_CONFIG.read_text(),
+                                            topology="1x1x1")
+    return jax.sharding.SingleDeviceSharding(topology.devices[0])
+
+
+def compile_for_h100(problem: Problem, sharding, tuning: TuningConfig | None = None) -> dict:
+    """Compiles one call; returns the attention kernel's {name, grid, threads, smem}."""
+    scale = problem.head_dim ** -0.5
+    fn = jax.jit(lambda *a: ragged_paged_attention(*a, sm_scale=scale, tuning=tuning))
+    with tempfile.TemporaryDirectory() as dump:
+        fn.trace(*problem.specs(sharding)).lower().compile(compiler_options={"xla_dump_to": dump})
+        thunks = [m for p in pathlib.Path(dump).glob("*thunk_sequence*")
+                  for m in _THUNK.findall(p.read_text())]
+    kernels = {(name, grid, threads, int(smem)) for name, grid, threads, smem in thunks
+               if name.startswith("ragged_paged_attention")}
+    assert len(kernels) == 1, thunks
+    name, grid, threads, smem = kernels.pop()
+    print(f"\nH100 compile ok: {problem} -> {name} grid [{grid}] threads [{threads}] "
+          f"shared memory {smem} B")
+    return {"name": name, "grid": grid, "threads": threads, "smem": smem}
+
+
+@pytest.mark.parametrize("key", sorted(DEFAULT_TUNING), ids=lambda k: f"H{k[0]}-S{k[1]}-{k[2]}")
+def test_default_table_compiles_for_h100(h100, key):
+    for shape, problem in table_problems(*key).items():
+        kernel = compile_for_h100(problem, h100)
+        assert 0 < kernel["smem"] <= _smem_limit(), (shape, kernel)
+        assert kernel["name"].endswith("_s1") == (shape == "prefill"), kernel
+
+
+@pytest.mark.parametrize("problem", [LLAMA3_8B_DECODE_8K, LLAMA3_8B_DECODE_2K,
+                                     LLAMA3_8B_PREFILL_8K, DEMO_DECODE],
+                         ids=["llama3_8b_decode_8k", "llama3_8b_decode_2k",
+                              "llama3_8b_prefill_8k", "demo_decode"])
+def test_model_shapes_compile_for_h100(h100, problem):
+    kernel = compile_for_h100(problem, h100)
+    assert 0 < kernel["smem"] <= _smem_limit()
+
+
+def test_shared_memory_overflow_is_caught(h100):
+    """The tier is a real check: tiles too big for shared memory fail to compile."""
+    problem = table_problems(256, 16, "float32")["prefill"]
+    huge = TuningConfig(block_m=128, block_kv=128, num_warps=8, num_stages=4)
+    with pytest.raises(Exception, match="[Ss]hared memory"):
+        compile_for_h100(problem, h100, huge)

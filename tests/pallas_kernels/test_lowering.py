@@ -1,0 +1,85 @@
+"""Lowering for platform ``cuda`` without a GPU, and the kernel's cost estimate.
+
+``jax.jit(f).trace(*specs).lower(lowering_platforms=("cuda",))`` runs the
+Pallas Triton lowering (Triton IR built and serialised into the HLO custom
+call) for every entry of the default tuning table, through both the split-K
+(decode-shaped) and the single-pass (prefill-shaped) paths. Compiling that IR
+for an H100 is the ``h100`` tier (test_h100_compile.py).
+"""
+
+import jax
+import pytest
+
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+from pallas_kernels.tuning import DEFAULT_TUNING, num_kv_splits
+from tests.pallas_kernels.shapes import (DEMO_DECODE, LLAMA3_8B_DECODE_2K, LLAMA3_8B_DECODE_8K,
+                                         LLAMA3_8B_PREFILL_8K, Problem, table_problems)
+
+TRITON_CALL = "__gpu$xla.gpu.triton"
+
+
+def _attention(problem: Problem):
+    scale = problem.head_dim ** -0.5
+    return jax.jit(lambda *a: ragged_paged_attention(*a, sm_scale=scale))
+
+
+def pallas_calls(problem: Problem) -> list:
+    """The pallas_call equations of one call's jaxpr (searched through nested jaxprs)."""
+    found = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                found.append(eqn)
+            for value in eqn.params.values():
+                inner = getattr(value, "jaxpr", value)
+                if hasattr(inner, "eqns"):
+                    walk(inner)
+
+    walk(jax.make_jaxpr(_attention(problem))(*problem.specs()).jaxpr)
+    return found
+
+
+def _splits(problem: Problem) -> int:
+    tuning = DEFAULT_TUNING[(problem.head_dim, problem.block_size, problem.dtype)]
+    return num_kv_splits(tuning, num_tokens=problem.num_tokens, num_rows=problem.num_rows,
+                         num_kv_heads=problem.num_kv_heads,
+                         max_context=problem.max_blocks * problem.block_size)
+
+
+@pytest.mark.parametrize("key", sorted(DEFAULT_TUNING), ids=lambda k: f"H{k[0]}-S{k[1]}-{k[2]}")
+def test_default_table_lowers_for_cuda(key):
+    for shape, problem in table_problems(*key).items():
+        assert (_splits(problem) > 1) == (shape == "decode"), shape
+        lowered = _attention(problem).trace(*problem.specs()).lower(lowering_platforms=("cuda",))
+        assert lowered.as_text().count(TRITON_CALL) == 1, shape
+
+
+@pytest.mark.parametrize("problem", [LLAMA3_8B_DECODE_8K, LLAMA3_8B_PREFILL_8K, DEMO_DECODE],
+                         ids=["llama3_8b_decode_8k", "llama3_8b_prefill_8k", "demo_decode"])
+def test_model_shapes_lower_for_cuda(problem):
+    lowered = _attention(problem).trace(*problem.specs()).lower(lowering_platforms=("cuda",))
+    assert lowered.as_text().count(TRITON_CALL) == 1
+
+
+def test_every_pallas_call_has_a_cost_estimate():
+    for problem in (*table_problems(64, 16, "float32").values(), DEMO_DECODE):
+        calls = pallas_calls(problem)
+        assert len(calls) == 1
+        cost = calls[0].params["cost_estimate"]
+        assert cost is not None and cost.bytes_accessed > 0 and cost.flops > 0
+
+
+def test_llama3_decode_cost_estimate_matches_kv_bytes():
+    """Llama-3-8B decode, 256 rows at 2k context: the estimate is the K/V read plus little.
+
+    K/V that must be read: 2 x 256 rows x 2048 tokens x 8 KV heads x 128 x 2 bytes
+    = 2 GiB; the estimate adds q, the output and the block table (< 1 %).
+    """
+    problem = LLAMA3_8B_DECODE_2K
+    assert _splits(problem) == 1  # 256 rows x 8 KV heads already fill 132 SMs
+    (call,) = pallas_calls(problem)
+    kv_bytes = problem.kv_bytes_at_full_context()
+    assert kv_bytes == 2 * 256 * 2048 * 8 * 128 * 2
+    ratio = call.params["cost_estimate"].bytes_accessed / kv_bytes
+    assert 1.0 < ratio < 1.01, ratio
