@@ -61,8 +61,8 @@ class IncrementalOutput:
                  params: SamplingParams) -> None:
         self._detok = IncrementalDetokenizer(tokenizer, prompt_token_ids,
                                              skip_special_tokens=params.skip_special_tokens)
-        self._stops = StopStringMatcher(params.stop,
-                                        include_stop_str_in_output=params.include_stop_str_in_output)
+        self._stops = StopStringMatcher(
+            params.stop, include_stop_str_in_output=params.include_stop_str_in_output)
         self._include_stop = params.include_stop_str_in_output
         self._min_tokens = params.min_tokens
         self._token_ids: list[int] = []

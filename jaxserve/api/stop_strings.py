@@ -51,7 +51,8 @@ class StopStringMatcher:
       ValueError: an empty stop string.
     """
 
-    def __init__(self, stop: Sequence[str] = (), *, include_stop_str_in_output: bool = False) -> None:
+    def __init__(self, stop: Sequence[str] = (), *,
+                 include_stop_str_in_output: bool = False) -> None:
         self._stops = tuple(dict.fromkeys(stop))
         for s in self._stops:
             if not isinstance(s, str) or not s:

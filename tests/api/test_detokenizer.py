@@ -51,7 +51,7 @@ def stream(tok, prompt, output, skip=True) -> list[str]:
 @pytest.mark.parametrize("kind", ["byte_level", "llama2_style", "demo"])
 def test_deltas_are_whole_characters_and_concatenate_to_decode(kind, request):
     tok = _tokenizer(kind, request)
-    rng = random.Random(hash(kind) % 1000)
+    rng = random.Random(sum(map(ord, kind)))  # seeded per tokenizer
     for _ in range(150):
         prompt = tok.encode(random_text(rng, rng.randrange(1, 6))).ids
         output = tok.encode(random_text(rng, rng.randrange(1, 12))).ids

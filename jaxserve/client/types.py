@@ -1,0 +1,275 @@
+"""The client's value types, its error type, and the wire <-> value conversions.
+
+Shared by ``Client`` (blocking) and ``AsyncClient`` (grpc.aio). Imports grpc
+and the generated messages, never jax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import grpc
+
+from jaxserve.proto import generate_pb2 as pb
+from jaxserve.proto.convert import finish_reason_from_proto, sampling_params_to_proto
+from jaxserve.sampling_params import SamplingParams
+
+# A chat message: {"role": ..., "content": ...}, a (role, content) pair, or the proto message.
+Message = Mapping[str, str] | tuple[str, str] | pb.ChatMessage
+
+
+class JaxServeError(Exception):
+    """A call failed; carries the gRPC status code and the server's message.
+
+    Attributes:
+      code: ``grpc.StatusCode`` (``INVALID_ARGUMENT``, ``RESOURCE_EXHAUSTED``,
+        ``DEADLINE_EXCEEDED``, ``UNAVAILABLE``, ...).
+      message: the status details; for ``INVALID_ARGUMENT`` it starts with the
+        field's name.
+    """
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+
+    @classmethod
+    def from_rpc_error(cls, err: grpc.RpcError) -> "JaxServeError":
+        """From a ``grpc.RpcError`` (sync) or ``grpc.aio.AioRpcError``."""
+        code = err.code() if callable(getattr(err, "code", None)) else grpc.StatusCode.UNKNOWN
+        details = err.details() if callable(getattr(err, "details", None)) else str(err)
+        return cls(code or grpc.StatusCode.UNKNOWN, details or "")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """Logprobs (natural log) of one generated token: the sampled one and the top N."""
+
+    logprob: float
+    top_token_ids: tuple[int, ...]
+    top_logprobs: tuple[float, ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Usage:
+    """Token counts of one completion (prompt counts are the request's)."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StreamDelta:
+    """One streamed response: what is new in completion ``index``.
+
+    ``finish_reason`` ("stop" / "length" / "abort"), ``stop_reason`` (the stop
+    string, the stop token id, or None for EOS) and ``usage`` are set on the
+    completion's last delta only.
+    """
+
+    request_id: str
+    index: int
+    token_ids: tuple[int, ...]
+    text: str
+    logprobs: tuple[TokenLogprobs, ...]
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    usage: Usage | None = None
+
+    @property
+    def finished(self) -> bool:
+        """True on the completion's last delta."""
+        return self.usage is not None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Completion:
+    """One finished completion (of ``n``)."""
+
+    index: int
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprobs, ...]
+    finish_reason: str | None
+    stop_reason: str | int | None
+    usage: Usage
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GenerateResult:
+    """A finished request: its completions ordered by index.
+
+    ``text``, ``token_ids``, ``finish_reason``, ``stop_reason`` and ``usage``
+    are those of completion 0 (the only one when n == 1).
+    """
+
+    request_id: str
+    completions: tuple[Completion, ...]
+
+    @property
+    def text(self) -> str:
+        return self.completions[0].text
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        return self.completions[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.completions[0].finish_reason
+
+    @property
+    def stop_reason(self) -> str | int | None:
+        return self.completions[0].stop_reason
+
+    @property
+    def usage(self) -> Usage:
+        return self.completions[0].usage
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """``GetModelInfo``: the served model and KV-cache occupancy (lengths in tokens)."""
+
+    model: str
+    max_model_len: int
+    vocab_size: int
+    block_size: int
+    num_kv_blocks_free: int
+    num_kv_blocks_total: int
+    eos_token_ids: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TokenizeResult:
+    """``Tokenize``: the ids, and the text they came from (a chat rendered by its template)."""
+
+    token_ids: tuple[int, ...]
+    text: str
+
+
+def _chat(messages: Iterable[Message], add_generation_prompt: bool | None) -> pb.Chat:
+    chat = pb.Chat()
+    for message in messages:
+        if isinstance(message, pb.ChatMessage):
+            chat.messages.append(message)
+        elif isinstance(message, Mapping):
+            chat.messages.add(role=message["role"], content=message["content"])
+        else:
+            role, content = message
+            chat.messages.add(role=role, content=content)
+    if add_generation_prompt is not None:
+        chat.add_generation_prompt = add_generation_prompt
+    return chat
+
+
+def build_generate_request(prompt: str | Sequence[int] | None, *,
+                           messages: Iterable[Message] | None,
+                           sampling_params: SamplingParams | Mapping[str, Any] | None,
+                           params: Mapping[str, Any], stream: bool, request_id: str = "",
+                           cache_salt: str = "",
+                           add_generation_prompt: bool | None = None) -> pb.GenerateRequest:
+    """The ``GenerateRequest`` for one call; values are checked by the server, not here.
+
+    ``params`` (keyword sampling parameters) override ``sampling_params``.
+
+    Raises:
+      ValueError: both or neither of ``prompt`` / ``messages``; an unknown
+        sampling parameter or one the wire type cannot hold.
+    """
+    if (prompt is None) == (messages is None):
+        raise ValueError("pass exactly one of prompt (text or token ids) and messages")
+    if isinstance(sampling_params, SamplingParams):
+        values = sampling_params.to_dict()
+    else:
+        values = dict(sampling_params or {})
+    values.update(params)
+    request = pb.GenerateRequest(request_id=request_id, stream=stream, cache_salt=cache_salt,
+                                 sampling_params=sampling_params_to_proto(values))
+    if messages is not None:
+        request.chat.CopyFrom(_chat(messages, add_generation_prompt))
+    elif isinstance(prompt, str):
+        request.text = prompt
+    else:
+        request.token_ids.SetInParent()  # an empty list is still "token ids were given"
+        request.token_ids.ids.extend(int(i) for i in prompt)
+    return request
+
+
+def build_tokenize_request(text: str | None, messages: Iterable[Message] | None,
+                           add_generation_prompt: bool | None) -> pb.TokenizeRequest:
+    """The ``TokenizeRequest``. Raises ``ValueError`` unless exactly one input is given."""
+    if (text is None) == (messages is None):
+        raise ValueError("pass exactly one of text and messages")
+    if messages is not None:
+        return pb.TokenizeRequest(chat=_chat(messages, add_generation_prompt))
+    return pb.TokenizeRequest(text=text)
+
+
+def delta_from_proto(response: pb.GenerateResponse) -> StreamDelta:
+    """A ``StreamDelta`` from one ``GenerateResponse``."""
+    logprobs = tuple(TokenLogprobs(lp.logprob, tuple(lp.top_token_ids), tuple(lp.top_logprobs))
+                     for lp in response.logprobs)
+    delta = StreamDelta(response.request_id, response.index, tuple(response.token_ids),
+                        response.text, logprobs)
+    if not response.HasField("finished"):
+        return delta
+    fin = response.finished
+    matched = fin.WhichOneof("matched")
+    return dataclasses.replace(
+        delta, finish_reason=finish_reason_from_proto(fin.reason),
+        stop_reason=None if matched is None else getattr(fin, matched),
+        usage=Usage(fin.prompt_tokens, fin.completion_tokens, fin.cached_prompt_tokens))
+
+
+def model_info_from_proto(response: pb.GetModelInfoResponse) -> ModelInfo:
+    return ModelInfo(response.model, response.max_model_len, response.vocab_size,
+                     response.block_size, response.num_kv_blocks_free,
+                     response.num_kv_blocks_total, tuple(response.eos_token_ids))
+
+
+class ResultBuilder:
+    """Accumulates the deltas of one request into a ``GenerateResult``.
+
+    Args:
+      num_completions: n, the completions the request asked for.
+    """
+
+    def __init__(self, num_completions: int) -> None:
+        self._n = num_completions
+        self._request_id = ""
+        self._parts: dict[int, list[StreamDelta]] = {}
+
+    def add(self, delta: StreamDelta) -> None:
+        self._request_id = self._request_id or delta.request_id
+        self._parts.setdefault(delta.index, []).append(delta)
+
+    def result(self) -> GenerateResult:
+        """The finished result.
+
+        Raises:
+          JaxServeError: (``INTERNAL``) the stream ended before every completion finished.
+        """
+        completions = []
+        for index in range(self._n):
+            parts = self._parts.get(index, [])
+            if not parts or not parts[-1].finished:
+                raise JaxServeError(grpc.StatusCode.INTERNAL,
+                                    f"the response stream ended before completion {index} finished")
+            last = parts[-1]
+            assert last.usage is not None
+            completions.append(Completion(
+                index=index, text="".join(p.text for p in parts),
+                token_ids=tuple(t for p in parts for t in p.token_ids),
+                logprobs=tuple(lp for p in parts for lp in p.logprobs),
+                finish_reason=last.finish_reason, stop_reason=last.stop_reason, usage=last.usage))
+        return GenerateResult(self._request_id, tuple(completions))
+
+
+def num_completions(request: pb.GenerateRequest) -> int:
+    """n of a request (1 when absent)."""
+    params = request.sampling_params
+    return params.n if params.HasField("n") else 1

@@ -1,0 +1,168 @@
+"""Validation: every bad request field becomes an InvalidArgument naming that field.
+
+Sampling parameters travel through the wire message (``SamplingParams`` proto
+-> kwargs -> ``jaxserve.SamplingParams``), as the server receives them.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from jaxserve.api.validation import (InvalidArgument, sampling_params_from_kwargs,
+                                     sampling_params_from_proto, validate_chat, validate_request,
+                                     validate_text)
+from jaxserve.proto import generate_pb2 as pb
+from jaxserve.proto.convert import (SAMPLING_FIELDS, sampling_params_kwargs_from_proto,
+                                    sampling_params_to_proto)
+from jaxserve.sampling_params import MAX_LOGPROBS, SamplingParams
+
+VOCAB, MAX_LEN = 1000, 64
+
+# (field, wire values): each must be rejected with INVALID_ARGUMENT naming sampling_params.<field>.
+BAD_SAMPLING = [
+    ("n", {"n": 0}), ("n", {"n": -3}),
+    ("presence_penalty", {"presence_penalty": 2.5}), ("presence_penalty", {"presence_penalty": math.nan}),
+    ("frequency_penalty", {"frequency_penalty": -3.0}),
+    ("frequency_penalty", {"frequency_penalty": math.inf}),
+    ("repetition_penalty", {"repetition_penalty": 0.0}),
+    ("repetition_penalty", {"repetition_penalty": -1.0}),
+    ("temperature", {"temperature": -0.1}), ("temperature", {"temperature": math.nan}),
+    ("temperature", {"temperature": math.inf}),
+    ("top_p", {"top_p": 0.0}), ("top_p", {"top_p": 1.01}), ("top_p", {"top_p": math.nan}),
+    ("top_k", {"top_k": -2}),
+    ("min_p", {"min_p": -0.01}), ("min_p", {"min_p": 1.5}),
+    ("stop", {"stop": [""]}), ("stop", {"stop": ["ok", ""]}),
+    ("stop_token_ids", {"stop_token_ids": [5, -1]}),
+    ("max_tokens", {"max_tokens": 0}), ("max_tokens", {"max_tokens": -5}),
+    ("min_tokens", {"min_tokens": -1}), ("min_tokens", {"min_tokens": 9, "max_tokens": 8}),
+    ("logprobs", {"logprobs": MAX_LOGPROBS + 1}), ("logprobs", {"logprobs": -1}),
+    ("prompt_logprobs", {"prompt_logprobs": MAX_LOGPROBS + 1}),
+    ("logit_bias", {"logit_bias": {-1: 1.0}}), ("logit_bias", {"logit_bias": {5: math.nan}}),
+]
+# Fields with no invalid wire value: bools, and seed (any uint64 is a seed).
+ALWAYS_VALID = {"ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
+                "spaces_between_special_tokens", "seed"}
+
+
+def test_every_sampling_field_has_a_bad_value_case():
+    assert {field for field, _ in BAD_SAMPLING} | ALWAYS_VALID == set(SAMPLING_FIELDS)
+
+
+@pytest.mark.parametrize("field, values", BAD_SAMPLING)
+def test_bad_sampling_param_over_the_wire_names_field(field, values):
+    message = sampling_params_to_proto(values)
+    with pytest.raises(InvalidArgument) as info:
+        sampling_params_from_proto(message)
+    err = info.value
+    assert isinstance(err, ValueError)
+    assert err.field == f"sampling_params.{field}"
+    assert str(err).startswith(f"sampling_params.{field}: ") and err.reason
+    assert not err.reason.startswith(field)  # the name is not repeated
+
+
+def test_unknown_or_mistyped_kwargs_name_field():
+    with pytest.raises(InvalidArgument, match=r"^sampling_params\.temprature: unknown"):
+        sampling_params_from_kwargs({"temprature": 0.5})
+    with pytest.raises(InvalidArgument) as info:
+        sampling_params_from_kwargs({"top_k": 2.5})
+    assert info.value.field == "sampling_params.top_k"
+
+
+def _random_params(rng: random.Random) -> SamplingParams:
+    return SamplingParams(
+        n=rng.randrange(1, 4), presence_penalty=rng.uniform(-2, 2),
+        frequency_penalty=rng.uniform(-2, 2), repetition_penalty=rng.uniform(0.5, 2),
+        temperature=rng.choice([0.0, rng.uniform(0, 2)]), top_p=rng.uniform(0.01, 1),
+        top_k=rng.choice([-1, 0, rng.randrange(1, 100)]), min_p=rng.uniform(0, 1),
+        seed=rng.choice([None, rng.randrange(-2**70, 2**70)]),
+        stop=[f"s{rng.randrange(9)}" for _ in range(rng.randrange(3))],
+        stop_token_ids=[rng.randrange(VOCAB) for _ in range(rng.randrange(3))],
+        ignore_eos=rng.random() < 0.5, max_tokens=rng.choice([None, rng.randrange(8, 40)]),
+        min_tokens=rng.randrange(0, 8), logprobs=rng.choice([None, rng.randrange(0, 21)]),
+        prompt_logprobs=rng.choice([None, rng.randrange(0, 21)]),
+        logit_bias=rng.choice([None, {rng.randrange(VOCAB): rng.uniform(-5, 5)}]),
+        include_stop_str_in_output=rng.random() < 0.5, skip_special_tokens=rng.random() < 0.5,
+        spaces_between_special_tokens=rng.random() < 0.5)
+
+
+def test_sampling_params_round_trip_over_the_wire():
+    rng = random.Random(0)
+    for _ in range(200):
+        params = _random_params(rng)
+        wire = pb.SamplingParams.FromString(sampling_params_to_proto(params).SerializeToString())
+        back = sampling_params_from_proto(wire)
+        expected = params if params.seed is None else SamplingParams.from_dict(
+            {**params.to_dict(), "seed": params.seed % 2**64})
+        assert back == expected
+
+
+def test_absent_fields_take_defaults_except_max_tokens():
+    params = sampling_params_from_proto(pb.SamplingParams())
+    assert params == SamplingParams(max_tokens=None)
+    # Presence: an explicit default-valued field is distinguishable from an absent one.
+    message = pb.SamplingParams(temperature=0.0, skip_special_tokens=False)
+    kwargs = sampling_params_kwargs_from_proto(message)
+    assert kwargs == {"max_tokens": None, "temperature": 0.0, "skip_special_tokens": False}
+
+
+def test_client_side_conversion_errors_name_field():
+    with pytest.raises(ValueError, match=r"^max_tokens: cannot send"):
+        sampling_params_to_proto({"max_tokens": 2**40})
+    with pytest.raises(ValueError, match=r"^temprature: unknown"):
+        sampling_params_to_proto({"temprature": 1.0})
+
+
+# (prompt ids, params, field) for validate_request with VOCAB / MAX_LEN.
+BAD_REQUESTS = [
+    ([], SamplingParams(), "token_ids"),
+    ([1, VOCAB, 2], SamplingParams(), "token_ids"),
+    ([1, -1], SamplingParams(), "token_ids"),
+    (list(range(MAX_LEN)), SamplingParams(max_tokens=None), "token_ids"),
+    (list(range(60)), SamplingParams(max_tokens=5), "sampling_params.max_tokens"),
+    (list(range(60)), SamplingParams(max_tokens=None, min_tokens=5), "sampling_params.min_tokens"),
+    ([1, 2], SamplingParams(stop_token_ids=[VOCAB + 3]), "sampling_params.stop_token_ids"),
+    ([1, 2], SamplingParams(logit_bias={VOCAB: 1.0}), "sampling_params.logit_bias"),
+]
+
+
+@pytest.mark.parametrize("prompt, params, field", BAD_REQUESTS)
+def test_bad_request_names_field(prompt, params, field):
+    with pytest.raises(InvalidArgument) as info:
+        validate_request(prompt, params, vocab_size=VOCAB, max_model_len=MAX_LEN)
+    assert info.value.field == field and str(info.value).startswith(field + ": ")
+
+
+def test_prompt_field_name_follows_the_request():
+    with pytest.raises(InvalidArgument, match=r"^chat\.messages: "):
+        validate_request([], SamplingParams(), vocab_size=VOCAB, max_model_len=MAX_LEN,
+                         prompt_field="chat.messages")
+
+
+def test_length_limits_exact():
+    prompt = list(range(60))
+    ok = validate_request(prompt, SamplingParams(max_tokens=4), vocab_size=VOCAB,
+                          max_model_len=MAX_LEN)
+    assert ok.max_tokens == 4  # 60 + 4 == 64 fits exactly
+    resolved = validate_request(prompt, SamplingParams(max_tokens=None, min_tokens=4),
+                                vocab_size=VOCAB, max_model_len=MAX_LEN)
+    assert resolved.max_tokens == MAX_LEN - len(prompt) and resolved.min_tokens == 4
+    edge = validate_request(list(range(MAX_LEN - 1)), SamplingParams(max_tokens=None),
+                            vocab_size=VOCAB, max_model_len=MAX_LEN)
+    assert edge.max_tokens == 1
+    assert validate_request([VOCAB - 1, 0], SamplingParams(), vocab_size=VOCAB,
+                            max_model_len=MAX_LEN) == SamplingParams()
+
+
+def test_text_and_chat_checks():
+    with pytest.raises(InvalidArgument, match=r"^text: "):
+        validate_text("")
+    validate_text("hi")
+    with pytest.raises(InvalidArgument, match=r"^chat\.messages: "):
+        validate_chat([])
+    messages = [pb.ChatMessage(role="user", content="hi"), pb.ChatMessage(content="x")]
+    with pytest.raises(InvalidArgument, match=r"^chat\.messages\[1\]\.role: "):
+        validate_chat(messages)
+    validate_chat(messages[:1])
