@@ -121,7 +121,7 @@ def tuning_for(head_dim: int, block_size: int, dtype) -> TuningConfig:
     entry = DEFAULT_TUNING.get((head_dim, block_size, name))
     if entry is not None:
         return entry
-    return TuningConfig(block_kv=max(64, 1 << max(0, block_size - 1).bit_length()))
+    return TuningConfig(block_kv=max(64, 1 << (block_size - 1).bit_length()))
 
 
 def num_kv_splits(tuning: TuningConfig, *, num_tokens: int, num_rows: int, num_kv_heads: int,
