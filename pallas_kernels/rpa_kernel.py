@@ -105,7 +105,8 @@ def _rpa_kernel(tiles_ref, block_table_ref, q_ref, k_ref, v_ref, *out_refs, num_
     # tiles_ref:       i32[NT, 5]  (tile_schedule)
     # block_table_ref: i32[R, MB]
     # q_ref:           [T·N, H]    q viewed flat: token t, head n at row t·N + n
-    # k_ref, v_ref:    [B·K·S, H]  cache viewed flat: block b, KV head k, slot s at (b·K + k)·S + s
+    # k_ref, v_ref:    [B·K·S, H]  cache viewed flat: block b, KV head k, slot s
+    #                              at row (b·K + k)·S + s
     # out_refs, NS == 1: o_ref [T·N, H] in q's dtype
     #           NS > 1:  acc_ref f32[NS, T·N, H], m_ref f32[NS, T·N], l_ref f32[NS, T·N]
     tile, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -281,7 +282,8 @@ def ragged_paged_attention_pallas(q, k_cache, v_cache, block_table, seq_lens, qu
         cost_estimate=cost_estimate(
             num_tokens=num_tokens, num_rows=num_rows, num_heads=num_heads,
             num_kv_heads=num_kv_heads, head_dim=head_dim, max_blocks=max_blocks,
-            block_size=block_size, itemsize=q.dtype.itemsize, num_splits=num_splits, soft_cap=soft_cap is not None),
+            block_size=block_size, itemsize=q.dtype.itemsize, num_splits=num_splits,
+            soft_cap=soft_cap is not None),
         interpret=interpret,
         name=f"ragged_paged_attention_m{block_m}_kv{tuning.block_kv}_s{num_splits}",
     )(tiles, block_table.astype(jnp.int32), q.reshape(num_q_rows, head_dim),

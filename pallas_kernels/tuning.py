@@ -66,7 +66,8 @@ class TuningConfig:
         if self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"num_warps must be a power of two <= 16, got {self.num_warps}")
         if self.num_stages < 1 or self.k_splits < 1 or self.decode_max_tokens < 0:
-            raise ValueError(f"num_stages and k_splits must be >= 1, decode_max_tokens >= 0: {self}")
+            raise ValueError(
+                f"num_stages and k_splits must be >= 1, decode_max_tokens >= 0: {self}")
 
 
 def _entries() -> dict[tuple[int, int, str], TuningConfig]:

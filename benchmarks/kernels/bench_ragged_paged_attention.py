@@ -170,7 +170,8 @@ def _format(row: dict) -> str:
     text += "" if row["agrees"] else "  DISAGREES"
     if "kernel_us" in row:
         text += (f"  kernel {row['kernel_us']:9.1f} us  ref {row['reference_us']:9.1f} us"
-                 f"  {row['achieved_gbps']:7.0f} GB/s = {row['pct_of_hbm_floor']:5.1f}% of HBM floor"
+                 f"  {row['achieved_gbps']:7.0f} GB/s"
+                 f" = {row['pct_of_hbm_floor']:5.1f}% of HBM floor"
                  f" ({row['hbm_floor_us']:.1f} us)")
     return text
 

@@ -23,7 +23,8 @@ from pallas_kernels.tuning import DEFAULT_TUNING, TuningConfig
 from tests.pallas_kernels.shapes import (DEMO_DECODE, LLAMA3_8B_DECODE_2K, LLAMA3_8B_DECODE_8K,
                                          LLAMA3_8B_PREFILL_8K, Problem, table_problems)
 
-pytest.importorskip("jax_plugins.xla_cuda12", reason="CUDA plugin absent: scripts/h100_compile_env.sh")
+pytest.importorskip("jax_plugins.xla_cuda12",
+                    reason="CUDA plugin absent: scripts/h100_compile_env.sh")
 pytestmark = pytest.mark.h100
 
 TARGET_CONFIG = pathlib.Path(__file__).parents[2] / "pallas_kernels" / "h100_target_config.pbtxt"
