@@ -22,7 +22,7 @@ from jaxserve.worker.sampler import build_sampling_metadata, reference, sample
 DRAWS = 100_000
 CHUNK = 25_000  # draws per mix per call
 P_BOUND = 1e-4
-VOCAB = 50  # not a multiple of the two-level block size (8): padding is exercised
+VOCAB = 53  # prime: the two-level draw has a short last block
 
 
 def mixes() -> list[SamplingParams]:
@@ -94,8 +94,10 @@ def setup():
     logits[7] = np.round(logits[7])  # ties, including at the top-k / top-p cuts
     prompts = [[2, 3, 5]] * len(params)
     outputs = [[3, 7, 7, 9]] * len(params)
+    # Narrow bias / ban widths: the test tiles this batch over 225,000 rows.
     template = build_sampling_metadata(params, prompt_token_ids=prompts,
-                                       output_token_ids=outputs, vocab_size=VOCAB)
+                                       output_token_ids=outputs, vocab_size=VOCAB,
+                                       logit_bias_width=2, banned_width=1)
     exact = np.stack([reference.distribution(logits[j], p, prompts[j], outputs[j])
                       for j, p in enumerate(params)])
     return params, logits, template, exact

@@ -97,8 +97,17 @@ def gumbel_max_candidates(keys: jax.Array, cand_z: jax.Array,
 
 
 def block_size(vocab_size: int) -> int:
-    """BS: the power of two at or above sqrt(V) (BS * NBK >= V, NBK ~ BS)."""
-    return 1 << max(0, math.ceil(math.log2(math.sqrt(vocab_size))))
+    """BS, the tokens per block of the two-level draw (a trace-time constant).
+
+    The divisor of V nearest sqrt(V) when V factors well (no ragged block:
+    reshaping [R, V] to [R, V / BS, BS] costs nothing); otherwise the power
+    of two at or below sqrt(V), with a shorter last block.
+    """
+    root = math.isqrt(vocab_size)
+    divisor = max(d for d in range(1, root + 1) if vocab_size % d == 0)
+    if divisor + vocab_size // divisor <= 4 * math.sqrt(vocab_size):
+        return divisor
+    return 1 << max(0, root.bit_length() - 1)
 
 
 def gumbel_max_full(keys: jax.Array, logits: jax.Array, temperature: jax.Array,
@@ -118,13 +127,16 @@ def gumbel_max_full(keys: jax.Array, logits: jax.Array, temperature: jax.Array,
     """
     rows, vocab = logits.shape
     bs = block_size(vocab)
-    nbk = -(-vocab // bs)
+    full = vocab - vocab % bs  # tokens in whole blocks; the rest form one short block
     t = temperature[:, None]  # [R, 1]
     zmax = jnp.max(logits, axis=-1, keepdims=True) / t  # [R, 1]; = max(logits / T)
     z = logits / t  # [R, V] f32
     e = jnp.where(z >= threshold[:, None], jnp.exp(z - zmax), 0.0)  # [R, V]
-    e = jnp.pad(e, ((0, 0), (0, nbk * bs - vocab)))
-    block_mass = e.reshape(rows, nbk, bs).sum(axis=-1)  # [R, NBK]
+    # Padding V up to whole blocks would copy [R, V]; a short tail is summed apart.
+    block_mass = e[:, :full].reshape(rows, full // bs, bs).sum(axis=-1)  # [R, V // BS]
+    if full < vocab:
+        block_mass = jnp.concatenate([block_mass, e[:, full:].sum(-1, keepdims=True)], -1)
+    nbk = block_mass.shape[1]
     block = jnp.argmax(jnp.log(block_mass) + _gumbel(keys, _BLOCK_STREAM, nbk), axis=-1)
     ids = block[:, None] * bs + jnp.arange(bs)[None, :]  # [R, BS] i32
     valid = ids < vocab

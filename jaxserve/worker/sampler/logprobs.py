@@ -32,12 +32,17 @@ def token_logprobs(logits: jax.Array, token_ids: jax.Array, num_logprobs: jax.Ar
       top_token_ids: i32[R, NL] (ties: lower id first); -1 in unused slots.
     """
     rows = logits.shape[0]
-    lse = jax.nn.logsumexp(logits, axis=-1)  # [R]
-    chosen = jnp.take_along_axis(logits, token_ids[:, None], axis=-1)[:, 0]  # [R]
+    chosen = jnp.take_along_axis(logits, token_ids[:, None], axis=-1)  # [R, 1]
+    row_max = jnp.max(logits, axis=-1, keepdims=True)  # [R, 1]
+    # One pass for both sums (two separate reductions cost two passes on CPU).
+    mass, above = lax.reduce(
+        (jnp.exp(logits - row_max), (logits > chosen).astype(jnp.int32)),
+        (jnp.float32(0), jnp.int32(0)),
+        lambda a, b: (a[0] + b[0], a[1] + b[1]), (1,))  # [R] f32, [R] i32
+    lse = row_max[:, 0] + jnp.log(mass)  # [R]
     wanted = num_logprobs >= 0
-    logprob = jnp.where(wanted, chosen - lse, jnp.nan)
-    rank = 1 + jnp.sum(logits > chosen[:, None], axis=-1, dtype=jnp.int32)
-    rank = jnp.where(wanted, rank, -1)
+    logprob = jnp.where(wanted, chosen[:, 0] - lse, jnp.nan)
+    rank = jnp.where(wanted, 1 + above, -1)
     if max_num_logprobs == 0:
         return (logprob, rank, jnp.zeros((rows, 0), jnp.float32),
                 jnp.zeros((rows, 0), jnp.int32))

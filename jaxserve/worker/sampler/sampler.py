@@ -7,7 +7,8 @@ a greedy or plain-temperature batch stays cheap without a second executable.
 Order of operations (vLLM V1's ``Sampler``):
 
 1. logit bias; min-tokens bans (EOS and stop ids -> -inf);
-2. repetition / frequency / presence penalties   [cond: any row penalized];
+2. repetition / frequency / presence penalties
+                                   [1-2: cond: any row biased, banned or penalized];
 3. greedy rows (temperature < 1e-5): argmax of the result;
 4. random rows: z = logits / temperature, then min-p, top-k, top-p as one
    threshold (``top_k_top_p.py``)                  [cond: any row filtered];
@@ -69,11 +70,16 @@ def process_logits(logits: jax.Array, metadata: SamplingMetadata) -> jax.Array:
     m = metadata
     out = apply_logit_bias(logits.astype(jnp.float32), m.logit_bias_ids, m.logit_bias_values)
     out = apply_banned_tokens(out, m.banned_ids, m.ban_active)
-    return lax.cond(
-        any_penalty(m.repetition_penalty, m.presence_penalty, m.frequency_penalty),
-        lambda x: apply_penalties(x, m.prompt_mask, m.output_counts, m.repetition_penalty,
-                                  m.presence_penalty, m.frequency_penalty),
-        lambda x: x, out)
+    return apply_penalties(out, m.prompt_mask, m.output_counts, m.repetition_penalty,
+                           m.presence_penalty, m.frequency_penalty)
+
+
+def needs_processing(metadata: SamplingMetadata) -> jax.Array:
+    """bool[]: does any row have a logit bias, an active ban or a penalty."""
+    m = metadata
+    return (jnp.any(m.logit_bias_ids >= 0)
+            | jnp.any(m.ban_active[:, None] & (m.banned_ids >= 0))
+            | any_penalty(m.repetition_penalty, m.presence_penalty, m.frequency_penalty))
 
 
 @functools.partial(jax.jit, static_argnames=("num_candidates",))
@@ -100,10 +106,22 @@ def sample(logits: jax.Array, metadata: SamplingMetadata, server_key: jax.Array,
     if m.prompt_mask.shape != (rows, vocab) or m.temperature.shape != (rows,):
         raise ValueError(f"logits {logits.shape} and metadata (R={m.num_rows}, "
                          f"V={m.vocab_size}) disagree")
+    raw = logits.astype(jnp.float32)  # [R, V]
+    keys = row_keys(m.seeds, m.seeded, m.positions, server_key)  # [R] key
+    tail = functools.partial(_sample_processed, raw=raw, keys=keys, m=m,
+                             num_candidates=num_candidates)
+    # The rest of the sampler is traced in both branches: a cond whose branch
+    # returns its [R, V] operand unchanged would copy it (~R * V * 4 bytes).
+    fields = lax.cond(needs_processing(m), lambda x: tail(process_logits(x, m)), tail, raw)
+    return SamplerOutput(*fields)
+
+
+def _sample_processed(processed: jax.Array, *, raw: jax.Array, keys: jax.Array,
+                      m: SamplingMetadata, num_candidates: int) -> tuple[jax.Array, ...]:
+    """Steps 3-6 on processed logits f32[R, V]; returns SamplerOutput's fields."""
+    rows, vocab = processed.shape
     greedy = is_greedy(m.temperature)  # [R] bool
     temperature = jnp.where(greedy, 1.0, m.temperature)  # [R] f32
-    processed = process_logits(logits, m)  # [R, V] f32
-    keys = row_keys(m.seeds, m.seeded, m.positions, server_key)  # [R] key
     filtered = needs_filter(m.top_k, m.top_p, m.min_p, ~greedy, vocab)  # [R] bool
     kc = min(num_candidates, vocab)
 
@@ -129,18 +147,18 @@ def sample(logits: jax.Array, metadata: SamplingMetadata, server_key: jax.Array,
         lambda x: gumbel_max_full(keys, x, temperature, threshold),
         lambda x: jnp.zeros((rows,), jnp.int32), processed)
     token_ids = jnp.where(greedy, argmax, jnp.where(in_candidates, picked, drawn))
-    return _with_logprobs(token_ids, logits, processed, temperature, threshold, m)
+    return _with_logprobs(token_ids, raw, processed, temperature, threshold, m)
 
 
-def _with_logprobs(token_ids: jax.Array, logits: jax.Array, processed: jax.Array,
+def _with_logprobs(token_ids: jax.Array, raw: jax.Array, processed: jax.Array,
                    temperature: jax.Array, threshold: jax.Array,
-                   m: SamplingMetadata) -> SamplerOutput:
+                   m: SamplingMetadata) -> tuple[jax.Array, ...]:
     rows = token_ids.shape[0]
     nl = m.max_num_logprobs
 
     def compute(_: jax.Array) -> tuple[jax.Array, ...]:
         if m.logprobs_mode == "raw":
-            source = logits.astype(jnp.float32)
+            source = raw
         else:
             z = processed / temperature[:, None]
             source = jnp.where(z >= threshold[:, None], z, -jnp.inf)
@@ -152,5 +170,4 @@ def _with_logprobs(token_ids: jax.Array, logits: jax.Array, processed: jax.Array
 
     logprob, rank, top_logprobs, top_ids = lax.cond(
         jnp.any(m.num_logprobs >= 0), compute, skip, token_ids)
-    return SamplerOutput(token_ids=token_ids, logprob=logprob, rank=rank,
-                         top_logprobs=top_logprobs, top_token_ids=top_ids)
+    return token_ids, logprob, rank, top_logprobs, top_ids
