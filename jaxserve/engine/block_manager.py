@@ -19,9 +19,10 @@ Prefix caching hashes *full* blocks in a chain (vLLM V1): block ``i``'s
 hash is ``sha256(hash[i - 1] || token ids of block i)`` and the chain starts
 from ``sha256(salt)``, so equal hashes mean equal salts and equal token
 prefixes. SHA-256 keeps collisions (which would silently serve another
-prompt's KV) out of reach. A block is registered once its KV has been
-computed; one block per hash (a duplicate computed concurrently stays
-unhashed). A prompt found whole in the cache still recomputes its last
+prompt's KV) out of reach. A block is registered when the step that fills
+it is scheduled (its KV is written by that step before any later reader
+runs; see ``scheduler``); one block per hash (a duplicate computed
+concurrently stays unhashed). A prompt found whole in the cache still recomputes its last
 token: hits are taken only among blocks that end before the last token.
 """
 
@@ -164,7 +165,7 @@ class BlockManager:
         self.num_registered.pop(req.key, None)
 
     def cache_full_blocks(self, req: Request) -> None:
-        """Registers ``req``'s blocks that are full of computed tokens."""
+        """Registers ``req``'s blocks that are full of computed (or scheduled) tokens."""
         if not req.cacheable:
             return
         num_full = req.num_computed_tokens // self.block_size

@@ -20,9 +20,11 @@ One step, one token budget (``max_num_batched_tokens``):
    find it in the prefix cache.
 
 ``num_computed_tokens`` advances when a step is scheduled (so the next step
-could be planned before this one returns); blocks full of computed tokens
-enter the prefix cache in ``update``. A sequence samples when the step
-computes its last known token.
+could be planned before this one returns), and blocks that this step fills
+enter the prefix cache at once (vLLM V1): a sequence scheduled later in the
+same step may hit them, because every layer writes the whole step's keys and
+values before any attention reads them, and steps run in order. A sequence
+samples when the step computes its last known token.
 """
 
 from __future__ import annotations
@@ -181,7 +183,7 @@ class Scheduler:
                         break
                 if req.status != RequestStatus.RUNNING:
                     break
-            step.add(req, n)
+            self._add(step, req, n)
             budget -= n
             i += 1
 
@@ -218,9 +220,16 @@ class Scheduler:
             req.num_blocks_sent = 0
             bisect.insort(self.running, req, key=_ORDER)
             step.new_reqs.append(req)
-            step.add(req, n)
+            self._add(step, req, n)
             budget -= n
         waiting.extendleft(reversed(skipped))
+
+    def _add(self, step: ScheduledStep, req: Request, n: int) -> None:
+        step.add(req, n)
+        if req.cacheable:
+            self.block_manager.cache_full_blocks(req)
+        if req.index == 0 and req.num_computed_tokens >= req.num_prompt_tokens:
+            req.group.prompt_ready = True
 
     def _preempt(self, req: Request) -> None:
         self.block_manager.free(req)
@@ -243,17 +252,12 @@ class Scheduler:
         if len(tokens) != sum(step.sample):
             raise ValueError(f"worker returned {len(tokens)} tokens for "
                              f"{sum(step.sample)} sampling rows")
-        bm = self.block_manager
         j = 0
         finished = False
         for req, sample in zip(step.reqs, step.sample):
             if req.status != RequestStatus.RUNNING:  # aborted meanwhile
                 j += sample
                 continue
-            if req.cacheable:
-                bm.cache_full_blocks(req)
-            if req.index == 0 and req.num_computed_tokens >= req.num_prompt_tokens:
-                req.group.prompt_ready = True
             if not sample:
                 continue
             status = req.append_token(tokens[j])

@@ -122,3 +122,41 @@ class FakeWorker:
 
     def shutdown(self) -> None:
         self.rows.clear()
+
+
+def reference_tokens(prompt: list[int], num_tokens: int, vocab_size: int = 64) -> list[int]:
+    """The first ``num_tokens`` tokens ``FakeWorker`` generates for ``prompt`` (no stops).
+
+    Computed directly from the digest chain, with no cache, blocks or engine:
+    the oracle for outputs of the engine driving a ``FakeWorker``.
+    """
+    digest, tokens, out = 0, list(prompt), []
+    for p, token in enumerate(tokens):
+        digest = _mix(digest, token, p)
+    for _ in range(num_tokens):
+        token = (digest >> 11) % vocab_size
+        out.append(token)
+        digest = _mix(digest, token, len(tokens))
+        tokens.append(token)
+    return out
+
+
+def expected_completion(prompt: list[int], params, eos_token_ids: tuple[int, ...],
+                        max_model_len: int, vocab_size: int = 64) -> tuple[list[int], str, int | None]:
+    """(token ids, finish reason, stop reason) of a sequence under ``FakeWorker``.
+
+    Applies the engine's stop rules independently: after ``min_tokens``, EOS
+    (unless ``ignore_eos``) then ``stop_token_ids`` stop; ``max_tokens`` and
+    ``max_model_len`` end with "length".
+    """
+    limit = max_model_len - len(prompt)
+    if params.max_tokens is not None:
+        limit = min(limit, params.max_tokens)
+    tokens = reference_tokens(prompt, limit, vocab_size)
+    for i, token in enumerate(tokens):
+        if i + 1 >= params.min_tokens:
+            if not params.ignore_eos and token in eos_token_ids:
+                return tokens[:i + 1], "stop", None
+            if token in params.stop_token_ids:
+                return tokens[:i + 1], "stop", token
+    return tokens, "length", None

@@ -1,0 +1,289 @@
+"""``jaxserve.LLM``: the offline API, shaped like vLLM's ``LLM``.
+
+One process: the tokenizer, the engine core (``jaxserve.engine``) and the
+in-process worker (``jaxserve.worker.InProcessWorker``)::
+
+    llm = LLM()                                       # the demo model
+    outs = llm.generate(["Hello", [1, 2, 3]], SamplingParams(max_tokens=8))
+    outs = llm.chat([{"role": "user", "content": "Hi"}])
+
+``generate`` runs every request to completion and returns the
+``RequestOutput``s in input order. Detokenization and stop strings are
+done here, per completion, by ``jaxserve.api.incremental_output`` (the same
+code the api process uses): when a stop string matches, the completion is
+aborted in the engine and finishes with reason "stop".
+"""
+
+from __future__ import annotations
+
+import itertools
+import numbers
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from jaxserve.api.incremental_output import IncrementalOutput
+from jaxserve.engine import (CacheConfig, EngineConfig, EngineCore, EngineCoreOutput,
+                             EngineCoreRequest, EngineStats, SchedulerConfig)
+from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
+from jaxserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+PromptType = str | Sequence[int] | Mapping[str, Any]
+
+
+class LLM:
+    """An offline engine over one model.
+
+    Args:
+      model: a Hugging Face model directory; None = the demo model
+        (SmolLM2-135M-Instruct, built on first use).
+      tokenizer: a tokenizer directory; None = the model's.
+      dtype: "float32" (CPU default) or "bfloat16".
+      max_model_len: longest sequence in tokens; None = the model's maximum.
+      max_num_seqs: most sequences running at once.
+      max_num_batched_tokens: the token budget of one step.
+      block_size: tokens per KV block.
+      num_kv_blocks: KV blocks including the null block; None = from
+        ``kv_cache_bytes``.
+      kv_cache_bytes: KV cache budget when ``num_kv_blocks`` is None.
+      enable_prefix_caching: share full prompt blocks between requests.
+      enable_chunked_prefill: split long prompts over steps.
+      token_buckets, request_buckets: the (T, R) ladders; () = defaults.
+      attention_backend: None = the platform default.
+      seed: the server seed for unseeded sampling.
+      worker: a ``jaxserve.step_plan.Worker`` to use instead of a new
+        ``InProcessWorker`` (tests pass one holding an already loaded model).
+
+    Raises:
+      ValueError: invalid configuration (see ``jaxserve.engine.config``).
+    """
+
+    def __init__(self, model: str | None = None, *, tokenizer: str | None = None,
+                 dtype: str = "float32", max_model_len: int | None = None,
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 512, block_size: int = 16,
+                 num_kv_blocks: int | None = None, kv_cache_bytes: int = 1 << 30,
+                 enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
+                 token_buckets: Sequence[int] = (), request_buckets: Sequence[int] = (),
+                 attention_backend: str | None = None, seed: int = 0, worker: Any = None):
+        from jaxserve.demo_model import resolve_model_path
+
+        path = resolve_model_path(model)
+        self.model_path = path
+        config = EngineConfig(
+            model=str(path), dtype=dtype, max_model_len=max_model_len,
+            scheduler=SchedulerConfig(
+                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                enable_chunked_prefill=enable_chunked_prefill,
+                token_buckets=tuple(token_buckets), request_buckets=tuple(request_buckets)),
+            cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
+                              kv_cache_bytes=kv_cache_bytes,
+                              enable_prefix_caching=enable_prefix_caching),
+            attention_backend=attention_backend, seed=seed)
+        if worker is None:
+            from jaxserve.worker import InProcessWorker
+
+            worker = InProcessWorker()
+        self.engine = EngineCore(config, worker)
+        self.tokenizer = _load_tokenizer(tokenizer or path)
+        self._ids = itertools.count()
+
+    # ------------------------------------------------------------------ API
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generates completions for one prompt or a list of prompts.
+
+        Args:
+          prompts: a string, a list of token ids, a dict with "prompt" or
+            "prompt_token_ids" (vLLM's TextPrompt / TokensPrompt), or a list
+            of any of these.
+          sampling_params: one for all prompts, one per prompt, or None for
+            ``SamplingParams()``.
+          use_tqdm: show a progress bar.
+
+        Returns:
+          One ``RequestOutput`` per prompt, in order.
+
+        Raises:
+          ValueError: a bad prompt (empty, too long, ids outside the
+            vocabulary) or a params list of the wrong length.
+        """
+        items = _as_prompt_list(prompts)
+        texts, token_ids = zip(*(self._tokenize(p) for p in items)) if items else ((), ())
+        return self._run(list(texts), list(token_ids), sampling_params, use_tqdm)
+
+    def chat(self, messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, chat_template: str | None = None,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Generates replies to one conversation or a list of them.
+
+        Each conversation is a list of {"role", "content"} messages, rendered
+        with the tokenizer's chat template (or ``chat_template``) and
+        tokenized without adding special tokens again.
+        """
+        conversations = ([messages] if messages and isinstance(messages[0], Mapping)
+                         else list(messages))
+        texts, ids = [], []
+        for conv in conversations:
+            text = self.tokenizer.apply_chat_template(
+                list(conv), tokenize=False, add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template)
+            texts.append(text)
+            ids.append(self.tokenizer.encode(text, add_special_tokens=False))
+        return self._run(texts, ids, sampling_params, use_tqdm)
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # ------------------------------------------------------------ internals
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, Mapping):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+            if "prompt" in prompt:
+                return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+            raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got {sorted(prompt)}")
+        return None, [int(t) for t in prompt]
+
+    def _run(self, texts: list[str | None], token_ids: list[list[int]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+             use_tqdm: bool) -> list[RequestOutput]:
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = ([sampling_params] * len(texts) if isinstance(sampling_params, SamplingParams)
+                  else list(sampling_params))
+        if len(params) != len(texts):
+            raise ValueError(f"got {len(params)} sampling params for {len(texts)} prompts")
+        requests = {}
+        try:
+            for text, ids, sp in zip(texts, token_ids, params):
+                rid = str(next(self._ids))
+                self.engine.add_request(EngineCoreRequest(rid, ids, sp, time.time()))
+                requests[rid] = _Pending(rid, text, ids, sp, self.tokenizer)
+        except Exception:
+            self.engine.abort_requests(list(requests))
+            raise
+        bar = _progress(len(requests), use_tqdm)
+        unfinished = len(requests)
+        while unfinished:
+            for out in self.engine.step():
+                pending = requests[out.request_id]
+                stopped = pending.accept(out)
+                if stopped:
+                    self.engine.abort_requests([(out.request_id, out.index)])
+                if pending.finished:
+                    unfinished -= 1
+                    if bar is not None:
+                        bar.update(1)
+            if not self.engine.has_unfinished_requests() and unfinished:
+                raise RuntimeError("the engine finished with requests still pending")
+        if bar is not None:
+            bar.close()
+        return [p.result() for p in requests.values()]
+
+
+class _Completion:
+    """One sample's text, ids, logprobs and finish state."""
+
+    __slots__ = ("out", "logprobs", "finish_reason", "stop_reason")
+
+    def __init__(self, tokenizer: Any, prompt_ids: list[int], sp: SamplingParams):
+        self.out = IncrementalOutput(tokenizer, prompt_ids, sp)
+        self.logprobs: list[dict[int, Logprob]] | None = [] if sp.logprobs is not None else None
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+
+
+class _Pending:
+    """Collects a request's engine outputs into a ``RequestOutput``."""
+
+    def __init__(self, rid: str, text: str | None, ids: list[int], sp: SamplingParams,
+                 tokenizer: Any):
+        self.rid, self.text, self.ids, self.tokenizer = rid, text, ids, tokenizer
+        self.completions = [_Completion(tokenizer, ids, sp) for _ in range(sp.n)]
+        self.num_cached_tokens = 0
+        self.num_unfinished = sp.n
+
+    @property
+    def finished(self) -> bool:
+        return self.num_unfinished == 0
+
+    def accept(self, out: EngineCoreOutput) -> bool:
+        """Takes one engine output; True when a stop string ended the completion."""
+        c = self.completions[out.index]
+        if out.index == 0:
+            self.num_cached_tokens = out.num_cached_tokens
+        if c.logprobs is not None and out.new_logprobs:
+            c.logprobs.extend(self._logprob_dict(t, lp)
+                              for t, lp in zip(out.new_token_ids, out.new_logprobs))
+        delta = c.out.push(out.new_token_ids, stop_token=out.finish_reason == "stop")
+        if delta.stop is not None:
+            c.finish_reason, c.stop_reason = "stop", delta.stop
+            self.num_unfinished -= 1
+            return out.finish_reason is None  # still running in the engine: abort it
+        if out.finish_reason is not None:
+            delta = c.out.flush()
+            c.finish_reason = "stop" if delta.stop is not None else out.finish_reason
+            c.stop_reason = delta.stop if delta.stop is not None else out.stop_reason
+            self.num_unfinished -= 1
+        return False
+
+    def _logprob_dict(self, token_id: int, lp) -> dict[int, Logprob]:
+        decode = lambda t: self.tokenizer.decode([t])  # noqa: E731
+        entries = {int(t): Logprob(float(v), i + 1, decode(t))
+                   for i, (t, v) in enumerate(zip(lp.top_token_ids, lp.top_logprobs))}
+        entries[int(token_id)] = Logprob(float(lp.logprob), int(lp.rank), decode(token_id))
+        return entries
+
+    def result(self) -> RequestOutput:
+        outputs = []
+        for i, c in enumerate(self.completions):
+            ids = c.out.token_ids
+            logprobs = None if c.logprobs is None else c.logprobs[:len(ids)]
+            cumulative = None if logprobs is None else sum(
+                lp[t].logprob for t, lp in zip(ids, logprobs))
+            outputs.append(CompletionOutput(i, c.out.text, ids, c.finish_reason, logprobs,
+                                            c.stop_reason, cumulative))
+        return RequestOutput(self.rid, self.text, list(self.ids), outputs, self.finished,
+                             self.num_cached_tokens)
+
+
+def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    if isinstance(prompts, (str, Mapping)):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(p, numbers.Integral) for p in prompts):  # one prompt of ids
+        return [prompts]
+    return prompts
+
+
+def _load_tokenizer(path: Any) -> Any:
+    from transformers import AutoTokenizer  # heavy import, kept local
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def _progress(total: int, enabled: bool):
+    if not enabled or total == 0:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="Processed prompts", unit="req")
