@@ -108,3 +108,16 @@ def test_one_executable_serves_every_mix():
                                      output_token_ids=[[]] * 8, vocab_size=VOCAB)
         sample(logits, md, jax.random.key(0)).token_ids.block_until_ready()
     assert sample._cache_size() - before <= 1
+
+
+def test_no_full_vocabulary_sort():
+    """Top-k candidates stay XLA's partial-sort TopK, never a sort of [R, V]."""
+    vocab = 4096
+    md = build_sampling_metadata([SamplingParams(top_k=50, top_p=0.9)] * 8,
+                                 prompt_token_ids=[[1]] * 8, output_token_ids=[[]] * 8,
+                                 vocab_size=vocab)
+    hlo = sample.lower(np.zeros((8, vocab), np.float32), md, jax.random.key(0)).compile()
+    text = hlo.as_text()
+    if jax.default_backend() == "cpu":
+        assert 'custom_call_target="TopK"' in text
+    assert not any(" sort(" in line and f",{vocab}]" in line for line in text.splitlines())

@@ -17,9 +17,9 @@ Computing them without sorting V: ``lax.top_k`` gives the KC largest logits
 per row (the candidates; KC = ``NUM_CANDIDATES``). The top-k threshold is a
 candidate when k <= KC, and the top-p threshold is one when the nucleus ends
 inside the candidates; both are exact, ties included. Rows where a threshold
-falls past the candidates (k > KC, or a nucleus wider than KC) get it by an
-exact bisection over the float's ordered bit pattern (32 passes over the row),
-run under ``lax.cond`` only when such a row exists.
+falls past the candidates (k > KC, or a nucleus wider than KC) get it from the
+exact search in ``threshold_search.py`` (about 10-20 passes over the row), run
+under ``lax.cond`` only when such a row exists.
 """
 
 from __future__ import annotations
@@ -28,45 +28,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxserve.worker.sampler.threshold_search import search_threshold
+
 NUM_CANDIDATES = 128  # KC: candidates from lax.top_k; the fast path covers k <= KC
-
-_SIGN = jnp.uint32(0x80000000)
-
-
-def ordered_key(x: jax.Array) -> jax.Array:
-    """u32 keys ordered as the f32 values (-inf lowest, +inf highest; no NaN)."""
-    bits = lax.bitcast_convert_type(x, jnp.uint32)
-    return jnp.where(bits & _SIGN, ~bits, bits | _SIGN)
-
-
-def key_to_float(key: jax.Array) -> jax.Array:
-    """Inverse of ``ordered_key``."""
-    bits = jnp.where(key & _SIGN, key & ~_SIGN, ~key)
-    return lax.bitcast_convert_type(bits, jnp.float32)
-
-
-def largest_true(pred, lo: jax.Array, hi: jax.Array) -> jax.Array:
-    """Per row, the largest value t in [lo, hi] with pred(t), by bisection.
-
-    Args:
-      pred: f32[R] -> bool[R], monotone per row (true below some value).
-        Assumed true at ``lo``; never evaluated there.
-      lo, hi: f32[R], lo <= hi, neither NaN.
-
-    Returns:
-      f32[R], exact (bisection over the 2**32 ordered bit patterns, 32 steps).
-    """
-    def body(_, bounds):
-        lo_k, hi_k = bounds
-        gap = hi_k - lo_k  # [R] u32
-        mid = lo_k + (gap >> 1) + (gap & 1)  # ceil midpoint; > lo_k when gap > 0
-        ok = pred(key_to_float(mid))
-        open_ = gap > 0
-        return (jnp.where(open_ & ok, mid, lo_k),
-                jnp.where(open_ & ~ok, mid - 1, hi_k))
-
-    lo_k, _ = lax.fori_loop(0, 32, body, (ordered_key(lo), ordered_key(hi)))
-    return key_to_float(lo_k)
 
 
 def filter_threshold(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
@@ -90,7 +54,7 @@ def filter_threshold(logits: jax.Array, temperature: jax.Array, top_k: jax.Array
         token id first; cand_ids[:, 0] is the argmax of ``logits``).
       cand_ids: i32[R, KC], their token ids.
     """
-    rows, vocab = logits.shape
+    vocab = logits.shape[1]
     kc = min(num_candidates, vocab)
     t = temperature[:, None]  # [R, 1]
     # The barrier keeps XLA from folding the consumers' slices into top_k's
@@ -99,7 +63,6 @@ def filter_threshold(logits: jax.Array, temperature: jax.Array, top_k: jax.Array
     cand_z = cand_l / t  # [R, KC]; bitwise equal to (logits / t) at cand_ids
     zmax, zlast = cand_z[:, 0], cand_z[:, kc - 1]  # [R]
     z = logits / t  # [R, V]
-    neg_inf = jnp.full((rows,), -jnp.inf, jnp.float32)
 
     t_min = jnp.where(min_p > 0, zmax + jnp.log(min_p), -jnp.inf)  # [R]
     k_on = active & (top_k > 0) & (top_k < vocab)
@@ -109,13 +72,19 @@ def filter_threshold(logits: jax.Array, temperature: jax.Array, top_k: jax.Array
     # Past the candidates t_k <= zlast, so it only matters while t_min < zlast.
     k_slow = k_on & ~k_fast & (t_min < zlast)
 
-    def kth_by_bisection(t_k: jax.Array) -> jax.Array:
-        k = top_k[:, None]
-        def enough(thr: jax.Array) -> jax.Array:
-            return jnp.sum(z >= thr[:, None], axis=-1, dtype=jnp.int32) >= k[:, 0]
-        return jnp.where(k_slow, largest_true(enough, neg_inf, zlast), t_k)
+    # Past the candidates, the search covers [row min, zlast]: every token
+    # above zlast is a candidate, so S just above zlast is known.
+    hi = jnp.nextafter(zlast, jnp.inf)  # [R]
+    above = cand_z > zlast[:, None]  # [R, KC]
+    n_above = jnp.sum(above, axis=-1, dtype=jnp.int32)  # [R]
 
-    t_k = lax.cond(jnp.any(k_slow), kth_by_bisection, lambda t_k: t_k, t_k)
+    def kth_by_search(t_k: jax.Array) -> jax.Array:
+        zmin = jnp.min(logits, axis=-1) / temperature  # [R]; = min(z)
+        found = search_threshold(z, None, jnp.ones_like, top_k.astype(jnp.float32), zmin, hi,
+                                 n_above.astype(jnp.float32), n_above, k_slow, kc)
+        return jnp.where(k_slow, found, t_k)
+
+    t_k = lax.cond(jnp.any(k_slow), kth_by_search, lambda t_k: t_k, t_k)
     t1 = jnp.where(active, jnp.maximum(t_min, t_k), -jnp.inf)  # [R]
 
     p_on = active & (top_p < 1.0)
@@ -133,13 +102,16 @@ def filter_threshold(logits: jax.Array, temperature: jax.Array, top_k: jax.Array
     t_p = jnp.take_along_axis(cand_z, jnp.argmax(hit, axis=-1)[:, None], axis=-1)[:, 0]
     p_slow = p_on & ~jnp.any(hit, axis=-1)
 
-    def nucleus_by_bisection(t_p: jax.Array) -> jax.Array:
-        e = jnp.where(z >= t1[:, None], jnp.exp(z - zmax[:, None]), 0.0)  # [R, V]
-        def enough(thr: jax.Array) -> jax.Array:
-            return jnp.sum(jnp.where(z >= thr[:, None], e, 0.0), axis=-1) >= target
-        return jnp.where(p_slow, largest_true(enough, t1, zlast), t_p)
+    def nucleus_by_search(t_p: jax.Array) -> jax.Array:
+        def weight_of(values: jax.Array) -> jax.Array:
+            return jnp.where(values >= t1[:, None], jnp.exp(values - zmax[:, None]), 0.0)
+        zmin = jnp.min(logits, axis=-1) / temperature  # [R]
+        s_above = jnp.sum(jnp.where(above, q, 0.0), axis=-1)  # [R]
+        found = search_threshold(z, weight_of(z), weight_of, target, jnp.maximum(t1, zmin), hi,
+                                 s_above, n_above, p_slow, kc)
+        return jnp.where(p_slow, found, t_p)
 
-    t_p = lax.cond(jnp.any(p_slow), nucleus_by_bisection, lambda t_p: t_p, t_p)
+    t_p = lax.cond(jnp.any(p_slow), nucleus_by_search, lambda t_p: t_p, t_p)
     threshold = jnp.where(p_on, jnp.maximum(t1, t_p), t1)
     return threshold, cand_z, cand_ids
 
