@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import pickle
 import subprocess
@@ -74,7 +75,7 @@ def test_normalization_and_hashable():
     assert p == q and hash(p) == hash(q) and len({p, q}) == 1
     with pytest.raises(TypeError):
         p.logit_bias[7] = 2.0  # type: ignore[index]
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         p.temperature = 0.5  # type: ignore[misc]
 
 

@@ -121,3 +121,13 @@ def test_no_full_vocabulary_sort():
     if jax.default_backend() == "cpu":
         assert 'custom_call_target="TopK"' in text
     assert not any(" sort(" in line and f",{vocab}]" in line for line in text.splitlines())
+
+
+def test_shape_mismatch_and_narrow_logits():
+    md = build_sampling_metadata([SamplingParams(temperature=0)] * 2, prompt_token_ids=[[1]] * 2,
+                                 output_token_ids=[[]] * 2, vocab_size=VOCAB)
+    with pytest.raises(ValueError, match="disagree"):
+        sample(np.zeros((2, VOCAB + 1), np.float32), md, jax.random.key(0))
+    logits = np.random.default_rng(0).normal(size=(2, VOCAB)).astype(jnp.bfloat16)
+    out = sample(logits, md, jax.random.key(0))
+    np.testing.assert_array_equal(out.token_ids, np.argmax(logits.astype(np.float32), -1))

@@ -107,3 +107,13 @@ def test_different_seed_or_unseeded_rows_differ():
                                  output_token_ids=[[]] * 64, vocab_size=VOCAB)
     tokens = np.asarray(sample(logits, md, jax.random.key(9)).token_ids)
     assert len(set(tokens.tolist())) > 32
+
+
+def test_raw_and_typed_server_keys_agree():
+    logits = np.tile(toy_logits(3, 0), (4, 1))
+    md = build_sampling_metadata([SamplingParams()] * 4, prompt_token_ids=[PROMPT] * 4,
+                                 output_token_ids=[[]] * 4, vocab_size=VOCAB)
+    key = jax.random.key(5)
+    typed = sample(logits, md, key).token_ids
+    raw = sample(logits, md, jax.random.key_data(key)).token_ids
+    np.testing.assert_array_equal(typed, raw)
