@@ -1,0 +1,167 @@
+"""``jaxserve.LLM`` on the demo model (float32, greedy): engine configurations agree.
+
+The same 32 requests (16 share a 64-token system prompt) give token-for-token
+identical greedy outputs with prefix caching on and off, with chunked-prefill
+budgets of 16, 64 and 2048 tokens, and with a KV cache so small that
+sequences are preempted (asserted) against a large one. The shared system
+prompt's blocks are reused: the measured hit rate is >= 90% of the
+shareable blocks. The API itself (prompt forms, per-prompt parameters, stop
+strings, n > 1, logprobs, chat) runs on the baseline instance.
+
+All LLM instances share one loaded model (``InProcessWorker(loaded)``);
+outputs are short (8 tokens) to keep the module under a few minutes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.model.loader import load_model
+from jaxserve.worker import InProcessWorker
+
+pytestmark = pytest.mark.slow
+
+NEW_TOKENS = 8
+SYSTEM_TOKENS = 64
+BLOCK = 16
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
+QUESTIONS = [
+    "What is the capital of France?", "Name a prime number.", "How do bees make honey?",
+    "What is 2 + 2?", "Why is the sky blue?", "Give me a synonym for happy.",
+    "Who wrote Hamlet?", "What is the boiling point of water?", "Translate 'cat' to French.",
+    "What is the largest planet?", "How many legs does a spider have?", "Define gravity.",
+    "What color is a banana?", "What is a haiku?", "Name an ocean.", "What is rust?",
+]
+TEXTS = [
+    "The history of the printing press", "def add(a, b):", "Once upon a time",
+    "The three primary colors are", "In 1969, astronauts", "A recipe for pancakes:",
+    "The quick brown fox", "Photosynthesis is the process", "import numpy as np\n",
+    "My favourite season is", "The mitochondria is", "Dear team,\n",
+    "Water boils at", "The tallest mountain on Earth", "Rain falls when", "Chess is a game",
+]
+
+
+@pytest.fixture(scope="module")
+def loaded(demo_model_dir):
+    return load_model(demo_model_dir, "float32")
+
+
+def _llm(demo_model_dir, loaded, **kwargs):
+    args = dict(max_num_seqs=32, max_model_len=256, num_kv_blocks=320, block_size=BLOCK,
+                max_num_batched_tokens=64, token_buckets=(1, 4, 8, 16, 32, 64))
+    args.update(kwargs)
+    return LLM(str(demo_model_dir), worker=InProcessWorker(loaded), **args)
+
+
+@pytest.fixture(scope="module")
+def baseline(demo_model_dir, loaded):
+    llm = _llm(demo_model_dir, loaded)
+    tok = llm.get_tokenizer()
+    system = tok.encode(" ".join(["You are a careful assistant who answers briefly and "
+                                  "politely, citing facts only when sure."] * 4))
+    assert len(system) >= SYSTEM_TOKENS
+    system = system[:SYSTEM_TOKENS]
+    prompts = []
+    for q, t in zip(QUESTIONS, TEXTS):
+        prompts.append(system + tok.encode(" " + q))
+        prompts.append(tok.encode(t))
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    return llm, prompts, outputs
+
+
+def _tokens(outputs):
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(enable_prefix_caching=False),
+    dict(max_num_batched_tokens=16, token_buckets=(1, 4, 8, 16)),
+    dict(max_num_batched_tokens=2048, token_buckets=(1, 4, 8, 16, 32, 64, 2048)),
+], ids=["no_prefix_caching", "budget_16", "budget_2048"])
+def test_greedy_outputs_identical_across_configs(demo_model_dir, loaded, baseline, kwargs):
+    _, prompts, want = baseline
+    llm = _llm(demo_model_dir, loaded, **kwargs)
+    got = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert _tokens(got) == _tokens(want)
+    assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in want]
+    llm.shutdown()
+
+
+def test_tiny_kv_cache_preempts_and_outputs_stay_identical(demo_model_dir, loaded, baseline):
+    _, prompts, want = baseline
+    # 25 blocks of 4 tokens (100 tokens): one sequence of max_model_len (96), a few prompts
+    # at once; 8 new tokens take each sequence across block boundaries.
+    llm = _llm(demo_model_dir, loaded, num_kv_blocks=26, block_size=4, max_model_len=96,
+               max_num_batched_tokens=16, token_buckets=(1, 4, 8, 16))
+    got = llm.generate(prompts, GREEDY, use_tqdm=False)
+    stats = llm.stats()
+    assert stats.num_preemptions > 0
+    assert _tokens(got) == _tokens(want)
+    assert stats.kv_blocks_used == 0
+    llm.shutdown()
+
+
+def test_shared_system_prompt_hit_rate(baseline):
+    llm, prompts, outputs = baseline
+    shared = outputs[0::2]  # the 16 requests with the 64-token system prompt
+    hit_blocks = sum(min(o.num_cached_tokens, SYSTEM_TOKENS) // BLOCK for o in shared[1:])
+    shareable = (len(shared) - 1) * (SYSTEM_TOKENS // BLOCK)
+    assert hit_blocks / shareable >= 0.9, (hit_blocks, shareable)
+    assert all(o.num_cached_tokens == 0 for o in outputs[1::2])  # unrelated prompts: no hits
+    assert llm.stats().prefix_cache_hits >= hit_blocks * BLOCK
+
+
+def test_prompt_forms_params_stop_strings_n_and_logprobs(baseline):
+    llm, prompts, outputs = baseline
+    tok = llm.get_tokenizer()
+    text = TEXTS[2]
+    ids = tok.encode(text)
+    by_text, by_ids, by_dict = llm.generate([text, ids, {"prompt_token_ids": ids}], GREEDY,
+                                            use_tqdm=False)
+    assert by_text.prompt == text and by_ids.prompt is None
+    assert by_text.prompt_token_ids == by_ids.prompt_token_ids == ids
+    want = outputs[5].outputs[0]  # TEXTS[2] is prompt 5 of the baseline
+    for out in (by_text, by_ids, by_dict):
+        assert out.finished and out.outputs[0].token_ids == want.token_ids
+        assert out.outputs[0].text == want.text == tok.decode(want.token_ids,
+                                                              skip_special_tokens=True)
+    # A stop string cut from the text: the first word of the greedy completion.
+    word = want.text.split()[1]
+    stopped, longer = llm.generate(
+        [ids, ids], [SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, stop=[word]),
+                     SamplingParams(temperature=0.0, max_tokens=3)], use_tqdm=False)
+    c = stopped.outputs[0]
+    assert (c.finish_reason, c.stop_reason) == ("stop", word)
+    assert c.text == want.text[:want.text.index(word)]
+    assert longer.outputs[0].token_ids == want.token_ids[:3]
+    assert longer.outputs[0].finish_reason == "length"
+    # n = 2 seeded samples with logprobs of the sampled token and the top 3.
+    (sampled,) = llm.generate(ids, SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=4,
+                                                  logprobs=3), use_tqdm=False)
+    assert [c.index for c in sampled.outputs] == [0, 1]
+    for c in sampled.outputs:
+        assert len(c.token_ids) == len(c.logprobs) == 4
+        for token, lp in zip(c.token_ids, c.logprobs):
+            assert token in lp and 3 <= len(lp) <= 4
+            top = sorted((v for v in lp.values() if v.rank <= 3), key=lambda v: v.rank)
+            assert [v.rank for v in top] == [1, 2, 3]
+            assert all(a.logprob >= b.logprob for a, b in zip(top, top[1:]))
+            assert lp[token].logprob <= top[0].logprob + 1e-6
+        assert np.isclose(c.cumulative_logprob, sum(lp[t].logprob
+                                                    for t, lp in zip(c.token_ids, c.logprobs)))
+    assert llm.stats().kv_blocks_used == 0
+
+
+def test_chat_applies_the_template(baseline):
+    llm, _, _ = baseline
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    (chat,) = llm.chat(messages, GREEDY, use_tqdm=False)
+    tok = llm.get_tokenizer()
+    rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert chat.prompt == rendered
+    assert chat.prompt_token_ids == tok.encode(rendered, add_special_tokens=False)
+    (plain,) = llm.generate(chat.prompt_token_ids, GREEDY, use_tqdm=False)
+    assert chat.outputs[0].token_ids == plain.outputs[0].token_ids
+    assert "Paris" in chat.outputs[0].text
