@@ -173,6 +173,9 @@ class Scheduler:
         while i < len(running) and budget > 0:
             req = running[i]
             n = min(len(req.token_ids) - req.num_computed_tokens, budget)
+            if n <= 0:  # nothing to compute (its last token is still in flight)
+                i += 1
+                continue
             total = req.num_computed_tokens + n
             if len(req.block_ids) * self.block_size < total:  # needs new blocks
                 while not bm.allocate_slots(req, total):
@@ -203,7 +206,9 @@ class Scheduler:
             num_cached = len(hits) * self.block_size
             n = req.num_tokens - num_cached
             if n > budget:
-                if not self.chunked_prefill:
+                # Without chunked prefill a prompt waits for a step with room for
+                # all of it; a preempted sequence longer than any budget is chunked.
+                if not self.chunked_prefill and n <= self.max_num_batched_tokens:
                     break
                 n = budget
             if not bm.allocate_slots(req, num_cached + n, hits):
