@@ -40,12 +40,13 @@ PREFIXES = [[7] * 9, [5, 6, 7, 8, 9, 10, 11, 12], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3,
 class EngineMachine(RuleBasedStateMachine):
     configured = False
 
-    @initialize(num_blocks=st.integers(13, 30), budget=st.sampled_from([4, 7, 16, 64]),
-          max_num_seqs=st.integers(1, 6), caching=st.booleans())
-    def configure(self, num_blocks, budget, max_num_seqs, caching):
+    @initialize(num_blocks=st.integers(13, 20), budget=st.sampled_from([4, 7, 16, 64]),
+          max_num_seqs=st.integers(1, 6), caching=st.booleans(), chunked=st.booleans())
+    def configure(self, num_blocks, budget, max_num_seqs, caching, chunked):
         config = EngineConfig(
             max_model_len=MAX_MODEL_LEN,
-            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget),
+            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                                      enable_chunked_prefill=chunked),
             cache=CacheConfig(block_size=BLOCK_SIZE, num_kv_blocks=num_blocks,
                               enable_prefix_caching=caching))
         self.worker = FakeWorker(max_model_len=MAX_MODEL_LEN, eos_token_ids=EOS)
@@ -60,12 +61,13 @@ class EngineMachine(RuleBasedStateMachine):
 
     @rule(prefix=st.sampled_from(range(len(PREFIXES) + 1)),
           suffix=st.lists(st.integers(1, 63), min_size=0, max_size=14),
-          n=st.integers(1, 3), max_tokens=st.integers(1, 20), min_tokens=st.integers(0, 3),
+          n=st.integers(1, 3), max_tokens=st.integers(1, 30), min_tokens=st.integers(0, 3),
           ignore_eos=st.booleans(), stop=st.lists(st.integers(0, 63), max_size=2),
           salt=st.sampled_from([None, None, "a"]))
     def add(self, prefix, suffix, n, max_tokens, min_tokens, ignore_eos, stop, salt):
         prompt = (PREFIXES[prefix] if prefix < len(PREFIXES) else []) + suffix
-        if not prompt or len(prompt) >= MAX_MODEL_LEN:
+        sched = self.sched
+        if not prompt or (not sched.chunked_prefill and len(prompt) > sched.max_num_batched_tokens):
             return
         sp = SamplingParams(n=n, max_tokens=max_tokens, min_tokens=min(min_tokens, max_tokens),
                             ignore_eos=ignore_eos, stop_token_ids=stop)
@@ -160,6 +162,6 @@ class EngineMachine(RuleBasedStateMachine):
         event(f"finished: {len(set(self.tokens) - self.aborted) > 0}")
 
 
-EngineMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=50,
+EngineMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=50,
                                            deadline=None)
 TestEngineStateMachine = EngineMachine.TestCase
