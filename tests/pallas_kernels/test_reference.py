@@ -26,7 +26,10 @@ def _run(case, dtype, **kw):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("block_size", [1, 16, 32])
 @pytest.mark.parametrize("heads", [(4, 4), (9, 3), (8, 2)], ids=["mha", "gqa3", "gqa4"])
-def test_reference_matches_oracle(dtype, block_size, heads):
+@pytest.mark.parametrize("query_chunk", [8, 64])
+def test_reference_matches_oracle(dtype, block_size, heads, query_chunk):
+    """query_chunk 8 puts rows across chunk boundaries and gives single-row
+    (shared-tile) chunks inside the long prefills; 64 mixes rows in a chunk."""
     rng = np.random.default_rng(block_size * 100 + heads[0])
     case = make_case(rng, num_heads=heads[0], num_kv_heads=heads[1], head_dim=64,
                      block_size=block_size)
@@ -34,7 +37,7 @@ def test_reference_matches_oracle(dtype, block_size, heads):
         for name in ("q", "k_cache", "v_cache"):
             setattr(case, name, np.asarray(jnp.asarray(getattr(case, name), dtype), np.float32))
     scale = 64 ** -0.5
-    out = _run(case, dtype, sm_scale=scale, context_tile=32)
+    out = _run(case, dtype, sm_scale=scale, context_tile=32, query_chunk=query_chunk)
     ref = oracle(case, sm_scale=scale)
     assert np.isfinite(out).all()
     assert relative_error(out, ref) < BOUND[dtype]
@@ -43,11 +46,13 @@ def test_reference_matches_oracle(dtype, block_size, heads):
 
 
 @pytest.mark.parametrize("window,cap", [(8, None), (None, 5.0), (20, 2.0)])
-def test_sliding_window_and_soft_cap(window, cap):
+@pytest.mark.parametrize("query_chunk", [4, 64])
+def test_sliding_window_and_soft_cap(window, cap, query_chunk):
     rng = np.random.default_rng(5)
     case = make_case(rng, num_heads=6, num_kv_heads=2, head_dim=32, block_size=16)
     scale = 32 ** -0.5
-    out = _run(case, jnp.float32, sm_scale=scale, sliding_window=window, soft_cap=cap)
+    out = _run(case, jnp.float32, sm_scale=scale, sliding_window=window, soft_cap=cap,
+               query_chunk=query_chunk)
     ref = oracle(case, sm_scale=scale, sliding_window=window, soft_cap=cap)
     assert relative_error(out, ref) < BOUND[jnp.float32]
 
