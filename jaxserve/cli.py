@@ -15,6 +15,11 @@ import sys
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "download-demo": ("jaxserve.demo_model", "build the SmolLM2-135M-Instruct demo model directory"),
+    "serve": ("jaxserve.commands.serve", "run the gRPC server (worker, engine and api processes)"),
+    "demo": ("jaxserve.commands.demo",
+             "serve the demo model, stream one chat answer through the client, shut down"),
+    "generate": ("jaxserve.commands.generate", "stream a completion from a running server"),
+    "chat": ("jaxserve.commands.chat", "chat with a running server"),
 }
 
 

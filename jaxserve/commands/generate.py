@@ -1,0 +1,69 @@
+"""``jaxserve generate "prompt"``: stream one completion from a running server to stdout.
+
+    jaxserve generate "The capital of France is" --max-tokens 16 --temperature 0
+    jaxserve generate --server host:50051 "Once upon a time" --stop "." --seed 7
+
+Sampling flags map to ``SamplingParams`` fields; unset ones take the
+server's defaults (``max_tokens``: up to the context length). The finish
+reason and token counts go to stderr. Exit status 1 on a server error (its
+status and message are printed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from jaxserve.client.sync import DEFAULT_TARGET
+
+_SAMPLING_FLAGS = (("max_tokens", int), ("temperature", float), ("top_p", float),
+                   ("top_k", int), ("min_p", float), ("seed", int),
+                   ("repetition_penalty", float), ("presence_penalty", float),
+                   ("frequency_penalty", float))
+
+
+def add_client_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--server``, ``--timeout`` and the sampling flags (shared with ``chat``)."""
+    parser.add_argument("--server", default=DEFAULT_TARGET,
+                        help=f"host:port of a running server (default {DEFAULT_TARGET})")
+    parser.add_argument("--timeout", type=float, default=None, help="seconds per request")
+    for name, kind in _SAMPLING_FLAGS:
+        parser.add_argument("--" + name.replace("_", "-"), type=kind, default=None,
+                            help=f"SamplingParams.{name}")
+    parser.add_argument("--stop", action="append", default=None,
+                        help="a stop string (repeatable)")
+
+
+def sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The sampling flags that were given."""
+    out = {name: getattr(args, name) for name, _ in _SAMPLING_FLAGS
+           if getattr(args, name) is not None}
+    if args.stop:
+        out["stop"] = list(args.stop)
+    return out
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("prompt", help="the prompt text")
+    add_client_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    from jaxserve.client import Client, JaxServeError
+
+    last = None
+    try:
+        with Client(args.server, timeout=args.timeout) as client:
+            for delta in client.stream(args.prompt, **sampling_kwargs(args)):
+                sys.stdout.write(delta.text)
+                sys.stdout.flush()
+                last = delta
+    except JaxServeError as err:
+        print(f"\nerror: {err.code.name}: {err.message}", file=sys.stderr)
+        return 1
+    sys.stdout.write("\n")
+    if last is not None and last.usage is not None:
+        print(f"[finish reason {last.finish_reason}, {last.usage.prompt_tokens} prompt tokens, "
+              f"{last.usage.completion_tokens} generated]", file=sys.stderr)
+    return 0

@@ -1,0 +1,272 @@
+"""The engine process: ``EngineCore`` on a step-loop thread, served as ``jaxserve.EngineService``.
+
+    python -m jaxserve.engine.service --address 127.0.0.1:50061 \\
+        --worker-address 127.0.0.1:50062 --model DIR [engine flags]
+
+Started by ``jaxserve serve`` (``jaxserve.launcher``); the api process is its
+only client (``proto/jaxserve/engine.proto`` documents the service). The
+worker is the worker process, reached through
+``jaxserve.engine.grpc_worker.GrpcWorker``, so this process never imports
+jax. ``--in-process-worker`` runs the model in this process instead (it then
+imports jax): for development and tests only.
+
+Start-up: initialize the worker (it loads the model and compiles: the slow
+part), then bind the gRPC server, so once the port answers the engine is
+ready. It serves ``grpc.health.v1`` for "" and "jaxserve.EngineService":
+SERVING, then NOT_SERVING once a step fails (the worker died); in-flight
+requests then fail with the error (``EngineLoop``). SIGINT / SIGTERM stop it:
+the server refuses new calls, the loop stops, the worker is shut down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import queue
+import sys
+from collections.abc import Iterator, Sequence
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from jaxserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from jaxserve.engine.core import EngineCore
+from jaxserve.engine.loop import EngineDeadError, EngineLoop, OutputBatch
+from jaxserve.procutil import StopSignal, setup_logging
+from jaxserve.proto import engine_pb2 as epb
+from jaxserve.proto import engine_pb2_grpc as epb_grpc
+from jaxserve.proto.engine_convert import output_to_proto, request_from_proto, stats_to_proto
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = "jaxserve.EngineService"
+# Most queued step batches merged into one stream message when the api lags.
+_MAX_MERGED_BATCHES = 64
+
+
+class EngineServicer(epb_grpc.EngineServiceServicer):
+    """``EngineService`` over an ``EngineLoop`` (sync gRPC; handlers run on a thread pool)."""
+
+    def __init__(self, loop: EngineLoop, info: epb.EngineInfo) -> None:
+        self.loop = loop
+        self.info = info
+
+    def GetEngineInfo(self, request: epb.GetEngineInfoRequest,
+                      context: grpc.ServicerContext) -> epb.EngineInfo:
+        return self.info
+
+    def AddRequest(self, request: epb.EngineRequest,
+                   context: grpc.ServicerContext) -> epb.AddRequestResponse:
+        try:
+            self.loop.add_request(request_from_proto(request))
+        except NotImplementedError as err:
+            context.abort(grpc.StatusCode.UNIMPLEMENTED, str(err))
+        except EngineDeadError as err:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"the engine is not serving: {err}")
+        except ValueError as err:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        return epb.AddRequestResponse()
+
+    def AbortRequests(self, request: epb.AbortRequestsRequest,
+                      context: grpc.ServicerContext) -> epb.AbortRequestsResponse:
+        targets = [(t.request_id, t.index) if t.HasField("index") else t.request_id
+                   for t in request.targets]
+        try:
+            self.loop.abort(targets)
+        except EngineDeadError:
+            pass  # nothing runs any more
+        return epb.AbortRequestsResponse()
+
+    def StreamOutputs(self, request: epb.StreamOutputsRequest,
+                      context: grpc.ServicerContext) -> Iterator[epb.EngineOutputBatch]:
+        q = self.loop.subscribe()
+        context.add_callback(lambda: q.put(None))  # wakes the get below when the call ends
+        logger.info("api process subscribed to outputs")
+        try:
+            yield epb.EngineOutputBatch()  # confirms the subscription: outputs follow
+            while True:
+                batches = _take_batches(q)
+                if batches is None:
+                    return
+                message = epb.EngineOutputBatch()
+                for batch in batches:
+                    message.outputs.extend(output_to_proto(o) for o in batch.outputs)
+                    if batch.error:
+                        message.error = batch.error
+                        message.failed_request_ids.extend(batch.failed_request_ids)
+                yield message
+                if message.error:
+                    return
+        finally:
+            self.loop.unsubscribe(q)
+            logger.info("api process unsubscribed; aborting its unfinished requests")
+            try:
+                self.loop.abort_all()
+            except EngineDeadError:
+                pass
+
+    def GetStats(self, request: epb.GetStatsRequest,
+                 context: grpc.ServicerContext) -> epb.EngineStatsResponse:
+        try:
+            stats = self.loop.stats()
+        except EngineDeadError:
+            stats = self.loop.core.stats()  # the loop thread is gone; read directly
+        return stats_to_proto(stats, serving=self.loop.serving, error=self.loop.error)
+
+
+def _take_batches(q: "queue.SimpleQueue[OutputBatch | None]") -> list[OutputBatch] | None:
+    """Blocks for one batch, then takes whatever else is queued; None when the call ended."""
+    first = q.get()
+    if first is None:
+        return None
+    batches = [first]
+    while len(batches) < _MAX_MERGED_BATCHES and not batches[-1].error:
+        try:
+            batch = q.get_nowait()
+        except queue.Empty:
+            break
+        if batch is None:
+            q.put(None)  # end the stream after sending these
+            break
+        batches.append(batch)
+    return batches
+
+
+def engine_info(core: EngineCore) -> epb.EngineInfo:
+    """The ``GetEngineInfo`` answer for a running core."""
+    cfg, geo = core.config, core.geometry
+    return epb.EngineInfo(
+        model=cfg.model or "", dtype=cfg.dtype, num_kv_blocks=geo.num_kv_blocks,
+        block_size=geo.block_size, max_model_len=geo.max_model_len, vocab_size=geo.vocab_size,
+        eos_token_ids=list(geo.eos_token_ids), max_num_seqs=cfg.scheduler.max_num_seqs,
+        max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens)
+
+
+def start_server(loop: EngineLoop, info: epb.EngineInfo, address: str,
+                 max_workers: int = 16) -> tuple[grpc.Server, health.HealthServicer]:
+    """Binds and starts the engine's gRPC server (EngineService + health).
+
+    Raises:
+      RuntimeError: ``address`` cannot be bound.
+    """
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers,
+                                                    thread_name_prefix="engine-rpc"),
+                         options=[("grpc.so_reuseport", 0)])
+    epb_grpc.add_EngineServiceServicer_to_server(EngineServicer(loop, info), server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    if server.add_insecure_port(address) == 0:
+        raise RuntimeError(f"cannot bind the engine's address {address}")
+    server.start()
+    for name in ("", SERVICE_NAME):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server, health_servicer
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """The engine's flags (also taken by ``jaxserve serve``, which passes them on)."""
+    parser.add_argument("--model", default=None,
+                        help="Hugging Face model directory (default: the demo model)")
+    parser.add_argument("--dtype", default="float32", help="float32 (CPU default) or bfloat16")
+    parser.add_argument("--max-num-seqs", type=int, default=64,
+                        help="most sequences running at once (default 64)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512,
+                        help="token budget of one step (default 512)")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="longest sequence in tokens (default: the model's)")
+    parser.add_argument("--num-kv-blocks", type=int, default=None,
+                        help="KV blocks (default: from --kv-cache-bytes)")
+    parser.add_argument("--kv-cache-bytes", type=int, default=1 << 30,
+                        help="KV cache budget in bytes when --num-kv-blocks is not given")
+    parser.add_argument("--no-prefix-caching", action="store_true",
+                        help="turn prefix caching off")
+    parser.add_argument("--no-chunked-prefill", action="store_true",
+                        help="turn chunked prefill off")
+    parser.add_argument("--seed", type=int, default=0, help="server seed for unseeded sampling")
+
+
+def engine_flags(args: argparse.Namespace) -> list[str]:
+    """The engine flags of parsed ``add_engine_arguments`` values, except ``--model``."""
+    flags = ["--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs),
+             "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+             "--block-size", str(args.block_size), "--kv-cache-bytes", str(args.kv_cache_bytes),
+             "--seed", str(args.seed)]
+    if args.max_model_len is not None:
+        flags += ["--max-model-len", str(args.max_model_len)]
+    if args.num_kv_blocks is not None:
+        flags += ["--num-kv-blocks", str(args.num_kv_blocks)]
+    if args.no_prefix_caching:
+        flags.append("--no-prefix-caching")
+    if args.no_chunked_prefill:
+        flags.append("--no-chunked-prefill")
+    return flags
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The ``EngineConfig`` of parsed engine flags. Raises ValueError on bad values."""
+    return EngineConfig(
+        model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
+                                  max_num_batched_tokens=args.max_num_batched_tokens,
+                                  enable_chunked_prefill=not args.no_chunked_prefill),
+        cache=CacheConfig(block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+                          kv_cache_bytes=args.kv_cache_bytes,
+                          enable_prefix_caching=not args.no_prefix_caching),
+        seed=args.seed)
+
+
+def _make_worker(args: argparse.Namespace):
+    if args.in_process_worker:
+        from jaxserve.worker import InProcessWorker  # imports jax: development / tests only
+
+        logger.warning("running the worker in the engine process (--in-process-worker)")
+        return InProcessWorker()
+    from jaxserve.engine.grpc_worker import GrpcWorker
+
+    return GrpcWorker(args.worker_address)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m jaxserve.engine.service",
+                                     description="jaxserve's engine process")
+    parser.add_argument("--address", required=True, help="HOST:PORT to serve EngineService on")
+    worker = parser.add_mutually_exclusive_group(required=True)
+    worker.add_argument("--worker-address", help="HOST:PORT of the worker process")
+    worker.add_argument("--in-process-worker", action="store_true",
+                        help="run the model in this process (development and tests)")
+    parser.add_argument("--log-level", default="INFO")
+    add_engine_arguments(parser)
+    args = parser.parse_args(argv)
+    setup_logging("engine", args.log_level)
+    stop = StopSignal()
+    config = engine_config(args)
+    core = EngineCore(config, _make_worker(args))
+    health_holder: list[health.HealthServicer] = []
+
+    def on_failure(error: str) -> None:
+        logger.error("engine not serving: %s", error)
+        for name in ("", SERVICE_NAME):
+            if health_holder:
+                health_holder[0].set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    loop = EngineLoop(core, on_failure=on_failure)
+    loop.start()
+    server, health_servicer = start_server(loop, engine_info(core), args.address)
+    health_holder.append(health_servicer)
+    if not loop.serving:
+        on_failure(loop.error)
+    logger.info("engine serving on %s", args.address)
+    stop.wait()
+    logger.info("engine shutting down (signal %s)", stop.signum)
+    health_servicer.enter_graceful_shutdown()
+    server.stop(grace=1.0).wait()
+    loop.stop()
+    core.shutdown()
+    logger.info("engine stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

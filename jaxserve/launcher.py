@@ -1,0 +1,215 @@
+"""Starts and supervises jaxserve's three processes: worker, engine, api (jax-free).
+
+    with Launcher(ServeOptions(port=50051)) as server:   # start() ... shutdown()
+        server.wait_ready()
+        server.wait()                                     # until a signal or a child exits
+
+Process tree (each a ``python -m`` child of the launcher, on loopback ports
+the launcher picks, logging to the launcher's stderr):
+
+    launcher ── worker  python -m jaxserve.worker.server --address 127.0.0.1:W
+             ├─ engine  python -m jaxserve.engine.service --address 127.0.0.1:E --worker-address ...
+             └─ api     python -m jaxserve.api.server --engine-address 127.0.0.1:E --port P
+
+No orphans: the children share one new process group (so a terminal's Ctrl-C
+reaches only the launcher, which then stops them in order), and each asks the
+kernel for SIGTERM when the launcher dies (``PR_SET_PDEATHSIG``), even by
+SIGKILL. ``shutdown`` sends SIGTERM to api, engine, worker in that order,
+waits for each, and SIGKILLs whatever is left of the group.
+
+The model is resolved first (the demo model is built on first use), so the
+children get a local directory. JAX's persistent compilation cache defaults
+to ``$JAXSERVE_CACHE/jax_cache`` so that a restart loads the worker's
+executables instead of compiling them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+from jaxserve.procutil import die_with_parent, free_port
+
+logger = logging.getLogger(__name__)
+
+_STOP_TIMEOUT_S = 15.0  # per process, before SIGKILL
+
+
+class ServerExited(RuntimeError):
+    """A server process exited on its own (start-up failure or crash)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ServeOptions:
+    """What ``jaxserve serve`` takes (see ``jaxserve.commands.serve``).
+
+    ``engine_flags`` are passed to the engine process verbatim
+    (``--max-num-seqs 16 ...``, see ``jaxserve.engine.service``).
+    """
+
+    model: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 50051
+    metrics_port: int = 0
+    max_waiting_requests: int = 256
+    engine_flags: tuple[str, ...] = ()
+    log_level: str = "INFO"
+    in_process_worker: bool = False  # run the model inside the engine process (development)
+
+
+def _env() -> dict[str, str]:
+    from jaxserve.demo_model import cache_root
+
+    env = dict(os.environ)
+    env.setdefault("JAX_COMPILATION_CACHE_DIR", str(cache_root() / "jax_cache"))
+    env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    env.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+    return env
+
+
+class Launcher:
+    """The three server processes. See the module docstring.
+
+    Attributes:
+      address: ``host:port`` clients connect to (the api process).
+      processes: name -> ``Popen``, in start order.
+    """
+
+    def __init__(self, options: ServeOptions) -> None:
+        self.options = options
+        self.address = f"{_connect_host(options.host)}:{options.port}"
+        self.processes: dict[str, subprocess.Popen] = {}
+        self._pgid: int | None = None
+
+    def __enter__(self) -> "Launcher":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # ---------------------------------------------------------------- start
+    def start(self) -> None:
+        """Resolves the model and starts the processes (returns at once; see ``wait_ready``).
+
+        Raises:
+          FileNotFoundError / DemoModelError: the model cannot be found or built.
+        """
+        from jaxserve.demo_model import resolve_model_path
+
+        opts = self.options
+        model = str(resolve_model_path(opts.model))
+        env = _env()
+        engine_address = f"127.0.0.1:{free_port()}"
+        engine_cmd = [sys.executable, "-m", "jaxserve.engine.service", "--address",
+                      engine_address, "--model", model, "--log-level", opts.log_level,
+                      *opts.engine_flags]
+        if opts.in_process_worker:
+            engine_cmd.append("--in-process-worker")
+        else:
+            worker_address = f"127.0.0.1:{free_port()}"
+            engine_cmd += ["--worker-address", worker_address]
+            self._spawn("worker", [sys.executable, "-m", "jaxserve.worker.server",
+                                   "--address", worker_address], env)
+        self._spawn("engine", engine_cmd, env)
+        api_cmd = [sys.executable, "-m", "jaxserve.api.server", "--engine-address",
+                   engine_address, "--model", model, "--host", opts.host, "--port",
+                   str(opts.port), "--metrics-port", str(opts.metrics_port),
+                   "--max-waiting-requests", str(opts.max_waiting_requests),
+                   "--log-level", opts.log_level]
+        if opts.model is None:
+            api_cmd += ["--served-model-name", "SmolLM2-135M-Instruct"]
+        self._spawn("api", api_cmd, env)
+
+    def _spawn(self, name: str, cmd: list[str], env: dict[str, str]) -> None:
+        logger.info("starting %s: %s", name, " ".join(cmd[1:]))
+        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL,
+                                process_group=0 if self._pgid is None else self._pgid,
+                                preexec_fn=functools.partial(die_with_parent, os.getpid()))
+        if self._pgid is None:
+            self._pgid = proc.pid
+        self.processes[name] = proc
+
+    # -------------------------------------------------------------- running
+    def exited(self) -> list[tuple[str, int]]:
+        """(name, exit code) of every process that has exited."""
+        return [(name, p.returncode) for name, p in self.processes.items()
+                if p.poll() is not None]
+
+    def wait_ready(self, timeout: float | None = None, poll_s: float = 0.25,
+                   stop_event: threading.Event | None = None) -> float:
+        """Blocks until the api reports SERVING; returns the seconds waited.
+
+        Raises:
+          ServerExited: a process exited first.
+          TimeoutError: not ready within ``timeout`` seconds.
+          InterruptedError: ``stop_event`` was set first.
+        """
+        import grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        start = time.monotonic()
+        with grpc.insecure_channel(self.address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while True:
+                if self.exited():
+                    raise ServerExited(f"server process exited during start-up: {self.exited()}")
+                try:
+                    reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2.0)
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        return time.monotonic() - start
+                except grpc.RpcError:
+                    pass  # not listening yet
+                if timeout is not None and time.monotonic() - start > timeout:
+                    raise TimeoutError(f"the server was not ready within {timeout} s")
+                if stop_event is not None and stop_event.wait(poll_s):
+                    raise InterruptedError("stopped while starting")
+                if stop_event is None:
+                    time.sleep(poll_s)
+
+    def wait(self, stop_event: threading.Event | None = None, poll_s: float = 0.5) -> int:
+        """Blocks until ``stop_event`` is set (0) or a process exits (1, logged)."""
+        while True:
+            gone = self.exited()
+            if gone:
+                logger.error("server process exited: %s; stopping the others", gone)
+                return 1
+            if stop_event is not None and stop_event.wait(poll_s):
+                return 0
+            if stop_event is None:
+                time.sleep(poll_s)
+
+    # ------------------------------------------------------------- shutdown
+    def shutdown(self) -> None:
+        """Stops api, engine, worker in that order (SIGTERM, then SIGKILL after a timeout)."""
+        for name in ("api", "engine", "worker"):
+            proc = self.processes.get(name)
+            if proc is None or proc.poll() is not None:
+                continue
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(_STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                logger.warning("%s did not stop within %.0f s; killing it", name, _STOP_TIMEOUT_S)
+                proc.kill()
+                proc.wait()
+        if self._pgid is not None:
+            try:
+                os.killpg(self._pgid, signal.SIGKILL)  # anything the children left behind
+            except ProcessLookupError:
+                pass
+        logger.info("server stopped")
+
+
+def _connect_host(host: str) -> str:
+    """Where a local client connects for a server listening on ``host``."""
+    if host in ("0.0.0.0", "", "::", "[::]"):
+        return "127.0.0.1"
+    return host

@@ -1,0 +1,113 @@
+"""Prometheus metrics of the api process (prometheus-client; jax-free).
+
+Served over HTTP (``/metrics``) on ``--metrics-port``. Names follow vLLM's
+where one exists (``vllm:`` becomes ``jaxserve_``):
+
+| metric | type | meaning |
+|---|---|---|
+| ``jaxserve_num_requests_waiting`` | gauge | sequences waiting in the engine |
+| ``jaxserve_num_requests_running`` | gauge | sequences running in the engine |
+| ``jaxserve_kv_cache_usage_perc`` | gauge | KV blocks held by running sequences / all blocks (0..1) |
+| ``jaxserve_prefix_cache_hit_rate`` | gauge | prompt tokens found in the prefix cache / looked up, since start (0..1) |
+| ``jaxserve_time_to_first_token_seconds`` | histogram | arrival at the api -> first generated token |
+| ``jaxserve_time_per_output_token_seconds`` | histogram | per completion: (finish - first token) / (tokens - 1) |
+| ``jaxserve_e2e_request_latency_seconds`` | histogram | arrival -> last completion finished |
+| ``jaxserve_generation_tokens_total`` | counter | generated tokens |
+| ``jaxserve_prompt_tokens_total`` | counter | prompt tokens of admitted requests |
+| ``jaxserve_request_success_total`` | counter | finished completions, by ``finished_reason`` |
+| ``jaxserve_requests_rejected_total`` | counter | requests refused, by gRPC ``code`` |
+
+The gauges read the engine's latest ``EngineStats`` (refreshed by the api
+process about once a second) when Prometheus scrapes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from jaxserve.engine.messages import EngineStats
+
+# Latency buckets in seconds (vLLM's TTFT / TPOT / e2e ladders, trimmed).
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+                80.0)
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+E2E_BUCKETS = (0.1, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
+
+
+class _EngineStatsCollector(Collector):
+    """Gauges from the engine's latest stats (nothing before the first snapshot)."""
+
+    def __init__(self, get_stats: Callable[[], EngineStats | None]) -> None:
+        self._get_stats = get_stats
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        stats = self._get_stats()
+        if stats is None:
+            return
+        yield GaugeMetricFamily("jaxserve_num_requests_waiting",
+                                "Sequences waiting in the engine.", value=stats.num_waiting)
+        yield GaugeMetricFamily("jaxserve_num_requests_running",
+                                "Sequences running in the engine.", value=stats.num_running)
+        usage = stats.kv_blocks_used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0
+        yield GaugeMetricFamily("jaxserve_kv_cache_usage_perc",
+                                "KV blocks held by running sequences / all blocks (0..1).",
+                                value=usage)
+        yield GaugeMetricFamily("jaxserve_prefix_cache_hit_rate",
+                                "Prompt tokens found in the prefix cache / looked up (0..1).",
+                                value=stats.prefix_cache_hit_rate)
+
+
+class ServerMetrics:
+    """The api process's metrics, in their own registry.
+
+    Args:
+      get_stats: returns the engine's latest ``EngineStats`` (or None).
+    """
+
+    def __init__(self, get_stats: Callable[[], EngineStats | None]) -> None:
+        self.registry = CollectorRegistry()
+        reg = self.registry
+        self.ttft = Histogram("jaxserve_time_to_first_token_seconds",
+                              "Arrival at the api -> first generated token.",
+                              buckets=TTFT_BUCKETS, registry=reg)
+        self.tpot = Histogram("jaxserve_time_per_output_token_seconds",
+                              "Per completion: (finish - first token) / (tokens - 1).",
+                              buckets=TPOT_BUCKETS, registry=reg)
+        self.e2e = Histogram("jaxserve_e2e_request_latency_seconds",
+                             "Arrival -> last completion finished.", buckets=E2E_BUCKETS,
+                             registry=reg)
+        self.generation_tokens = Counter("jaxserve_generation_tokens",
+                                         "Generated tokens.", registry=reg)
+        self.prompt_tokens = Counter("jaxserve_prompt_tokens",
+                                     "Prompt tokens of admitted requests.", registry=reg)
+        self.finished = Counter("jaxserve_request_success", "Finished completions.",
+                                ["finished_reason"], registry=reg)
+        self.rejected = Counter("jaxserve_requests_rejected", "Requests refused.", ["code"],
+                                registry=reg)
+        reg.register(_EngineStatsCollector(get_stats))
+
+    def serve(self, port: int, host: str = "0.0.0.0") -> None:
+        """Serves ``/metrics`` over HTTP on a daemon thread."""
+        start_http_server(port, addr=host, registry=self.registry)
+
+    def observe_request(self, arrival: float, first_token: float | None, end: float,
+                        completions: list[tuple[int, float | None, float | None, str | None]]
+                        ) -> None:
+        """Records a finished request (times from ``time.monotonic()``).
+
+        Args:
+          completions: (tokens, first token time, finish time, finish reason)
+            per finished completion (``RequestTracker.completion_stats``).
+        """
+        if first_token is not None:
+            self.ttft.observe(first_token - arrival)
+        self.e2e.observe(end - arrival)
+        for tokens, first, finish, reason in completions:
+            if tokens > 1 and first is not None and finish is not None:
+                self.tpot.observe((finish - first) / (tokens - 1))
+            if reason is not None:
+                self.finished.labels(finished_reason=reason).inc()
