@@ -1,0 +1,110 @@
+"""The jaxserve leg of the offline benchmarks: a workload through ``jaxserve.LLM``.
+
+Warm-up first: the same prompt lengths with different tokens and at most 2
+output tokens, which runs every prefill bucket and the decode request
+buckets the batch reaches, so the timed run finds them compiled (compiles
+that still happen inside the timed window are counted and reported). The
+timed run is greedy with ``ignore_eos``: each request generates exactly its
+output length.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any
+
+from benchmarks.compile_watch import CompileCounter
+from benchmarks.dataset import Workload
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EngineOptions:
+    """``jaxserve.LLM`` settings of a benchmark run (see ``LLM`` for their meaning)."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    block_size: int = 16
+    kv_cache_bytes: int = 1 << 30
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+
+
+def make_llm(model: str | None, tokenizer: str | None, options: EngineOptions):
+    from jaxserve import LLM
+
+    return LLM(model, tokenizer=tokenizer, max_num_seqs=options.max_num_seqs,
+               max_num_batched_tokens=options.max_num_batched_tokens,
+               block_size=options.block_size, kv_cache_bytes=options.kv_cache_bytes,
+               max_model_len=options.max_model_len,
+               enable_prefix_caching=options.enable_prefix_caching)
+
+
+def warm_up(llm, workload: Workload, seed: int) -> float:
+    """Runs the warm-up workload (see the module docstring); returns its seconds."""
+    import numpy as np
+
+    from jaxserve import SamplingParams
+
+    rng = np.random.default_rng(seed + 1_000_003)
+    high = llm.engine.geometry.vocab_size
+    low = 100 if high > 200 else 0
+    prompts = [rng.integers(low, high, len(p)).tolist() for p in workload.prompts]
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    start = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    return time.perf_counter() - start
+
+
+def timed_generate(llm, workload: Workload) -> dict[str, Any]:
+    """Generates the workload once and returns wall seconds, token counts and compiles."""
+    from jaxserve import SamplingParams
+
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+              for n in workload.output_lens]
+    engine = llm.engine
+    steps0 = getattr(engine, "num_steps", 0)
+    compiles = CompileCounter()
+    with compiles.watch():
+        start = time.perf_counter()
+        outputs = llm.generate([list(p) for p in workload.prompts], params, use_tqdm=True)
+        elapsed = time.perf_counter() - start
+    generated = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    if generated != workload.num_output_tokens:
+        raise RuntimeError(f"jaxserve generated {generated} tokens, expected "
+                           f"{workload.num_output_tokens}")
+    steps = getattr(engine, "num_steps", steps0) - steps0
+    return {"elapsed": elapsed, "output_tokens": generated,
+            "output_tokens_per_s": generated / elapsed,
+            "total_tokens_per_s": (generated + workload.num_prompt_tokens) / elapsed,
+            "requests_per_s": len(workload) / elapsed, "steps": steps, **compiles.as_dict()}
+
+
+def run(workload: Workload, *, model: str | None, tokenizer: str | None,
+        options: EngineOptions, seed: int, profile_dir: str | None = None) -> dict[str, Any]:
+    """Loads the engine, warms it up, runs the workload timed (profiled when asked).
+
+    Returns the ``timed_generate`` dict plus ``load_seconds``, ``warmup_seconds``
+    and, with ``profile_dir``, ``profile`` (``benchmarks.profiling`` breakdown).
+    """
+    start = time.perf_counter()
+    llm = make_llm(model, tokenizer, options)
+    load = time.perf_counter() - start
+    try:
+        logger.info("jaxserve: engine ready in %.1f s; warming up", load)
+        warm = warm_up(llm, workload, seed)
+        logger.info("jaxserve: warm-up %.1f s; timed run", warm)
+        if profile_dir is None:
+            result = timed_generate(llm, workload)
+        else:
+            from benchmarks import profiling
+
+            with profiling.profiled(profile_dir) as session:
+                result = timed_generate(llm, workload)
+            result["profile"] = session.report()
+        return {"load_seconds": load, "warmup_seconds": warm, **result}
+    finally:
+        llm.shutdown()
