@@ -1,7 +1,9 @@
 """``jaxserve.LLM``: the offline API, shaped like vLLM's ``LLM``.
 
-One process: the tokenizer, the engine core (``jaxserve.engine``) and the
-in-process worker (``jaxserve.worker.InProcessWorker``)::
+The tokenizer and the engine core (``jaxserve.engine``) run in the caller's
+process; the worker runs in it too (``jaxserve.worker.InProcessWorker``, the
+default) or in its own process over gRPC (``worker="grpc"``: what the server
+runs)::
 
     llm = LLM()                                       # the demo model
     outs = llm.generate(["Hello", [1, 2, 3]], SamplingParams(max_tokens=8))
@@ -26,6 +28,7 @@ from typing import Any
 from jaxserve.api.incremental_output import IncrementalOutput
 from jaxserve.engine import (CacheConfig, EngineConfig, EngineCore, EngineCoreOutput,
                              EngineCoreRequest, EngineStats, SchedulerConfig)
+from jaxserve.engine.config import CompileConfig
 from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
@@ -54,20 +57,31 @@ class LLM:
       token_buckets, request_buckets: the (T, R) ladders; () = defaults.
       attention_backend: None = the platform default.
       seed: the server seed for unseeded sampling.
-      worker: a ``jaxserve.step_plan.Worker`` to use instead of a new
-        ``InProcessWorker`` (tests pass one holding an already loaded model).
+      async_scheduling: plan each step while the previous one runs
+        (``jaxserve.engine.core``).
+      compilation_cache_dir: JAX's persistent compilation cache directory;
+        None = JAX's setting (``JAX_COMPILATION_CACHE_DIR``).
+      strict_recompile: a compile after warm-up raises (tests).
+      worker: None or "in_process" = a new ``InProcessWorker``; "grpc" = a
+        new worker process (``python -m jaxserve.worker.server``, stopped by
+        ``shutdown``); or a ``jaxserve.step_plan.Worker`` (tests pass one
+        holding an already loaded model).
 
     Raises:
       ValueError: invalid configuration (see ``jaxserve.engine.config``).
+      WorkerDiedError: (from ``generate`` / ``chat``) the worker process died;
+        the LLM cannot be used any more.
     """
 
     def __init__(self, model: str | None = None, *, tokenizer: str | None = None,
                  dtype: str = "float32", max_model_len: int | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512, block_size: int = 16,
-                 num_kv_blocks: int | None = None, kv_cache_bytes: int = 1 << 30,
+                 num_kv_blocks: int | None = None, kv_cache_bytes: int | None = None,
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
                  token_buckets: Sequence[int] = (), request_buckets: Sequence[int] = (),
-                 attention_backend: str | None = None, seed: int = 0, worker: Any = None):
+                 attention_backend: str | None = None, seed: int = 0,
+                 async_scheduling: bool = False, compilation_cache_dir: str | None = None,
+                 strict_recompile: bool = False, worker: Any = None):
         from jaxserve.demo_model import resolve_model_path
 
         path = resolve_model_path(model)
@@ -81,12 +95,22 @@ class LLM:
             cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
                               kv_cache_bytes=kv_cache_bytes,
                               enable_prefix_caching=enable_prefix_caching),
-            attention_backend=attention_backend, seed=seed)
-        if worker is None:
+            attention_backend=attention_backend, seed=seed, async_scheduling=async_scheduling,
+            compile=CompileConfig(cache_dir=compilation_cache_dir,
+                                  strict_recompile=strict_recompile))
+        if worker is None or worker == "in_process":
             from jaxserve.worker import InProcessWorker
 
             worker = InProcessWorker()
-        self.engine = EngineCore(config, worker)
+        elif worker == "grpc":
+            from jaxserve.engine.grpc_worker import start_worker_process
+
+            worker = start_worker_process(compilation_cache_dir=compilation_cache_dir)
+        try:
+            self.engine = EngineCore(config, worker)
+        except BaseException:
+            worker.shutdown()
+            raise
         self.tokenizer = _load_tokenizer(tokenizer or path)
         self._ids = itertools.count()
 

@@ -60,26 +60,43 @@ class WorkerInit:
       block_size: S, tokens per KV block.
       num_kv_blocks: B including the null block; None = size from
         ``kv_cache_bytes``.
-      kv_cache_bytes: KV cache budget in bytes when ``num_kv_blocks`` is None.
+      kv_cache_bytes: KV cache budget in bytes when ``num_kv_blocks`` is None;
+        None = automatic: on a GPU / TPU the free device memory (times
+        ``memory_utilization``) after the weights and the largest bucket's
+        activations; on CPU ``DEFAULT_CPU_KV_CACHE_BYTES``.
       max_num_seqs: rows the worker keeps (the most running sequences).
       max_model_len: longest sequence in tokens; None = the model's maximum.
       token_buckets: the T ladder (ascending).
       request_buckets: the R ladder (ascending).
       attention_backend: None = the platform default.
       seed: seeds the server PRNG key of unseeded requests.
+      memory_utilization: fraction of the device memory the worker may fill
+        (weights + activations + KV cache) when sizing the cache automatically.
+      precompile: compile (or load from the persistent compilation cache)
+        every step executable of the ladders in ``initialize`` and arm the
+        recompile guard; False compiles lazily on first use (development).
+      strict_recompile: a compile after warm-up raises ``RecompileError``
+        (tests); otherwise it is logged and counted (``WorkerStatus``).
+      compilation_cache_dir: JAX's persistent compilation cache directory for
+        the worker's process; None = leave JAX's setting (e.g. the
+        ``JAX_COMPILATION_CACHE_DIR`` environment variable) alone.
     """
 
     model: str | None
     dtype: str
     block_size: int
     num_kv_blocks: int | None
-    kv_cache_bytes: int
+    kv_cache_bytes: int | None
     max_num_seqs: int
     max_model_len: int | None
     token_buckets: tuple[int, ...]
     request_buckets: tuple[int, ...]
     attention_backend: str | None = None
     seed: int = 0
+    memory_utilization: float = 0.9
+    precompile: bool = True
+    strict_recompile: bool = False
+    compilation_cache_dir: str | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -201,6 +218,10 @@ class StepResult:
       rank: i32[s] its rank, 1 = most likely (-1 where not asked).
       top_token_ids: i32[s, NL] top-N ids, -1 past a row's N.
       top_logprobs: f32[s, NL] their logprobs, descending.
+      execute_seconds: the worker's wall time for the whole plan (diffs,
+        inputs, device, results), seconds; 0 when not measured.
+      device_seconds: of that, from dispatching the step's executables to
+        its results being on the host, seconds; 0 when not measured.
     """
 
     step_id: int
@@ -209,6 +230,43 @@ class StepResult:
     rank: np.ndarray | None = None  # [s] i32
     top_token_ids: np.ndarray | None = None  # [s, NL] i32
     top_logprobs: np.ndarray | None = None  # [s, NL] f32
+    execute_seconds: float = 0.0
+    device_seconds: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class WorkerStatus:
+    """What a worker reports about itself (health, compile counters).
+
+    Attributes:
+      ready: ``initialize`` has completed and the worker accepts plans.
+      platform: the JAX platform ("cpu", "gpu", ...); "" before initialize.
+      num_executables: step executables compiled or loaded at start-up.
+      compile_seconds: wall time of that warm-up, seconds.
+      num_cache_hits: of those, loaded from the persistent compilation cache.
+      num_recompiles: compiles after warm-up (0 in a healthy server).
+      num_steps: plans executed.
+    """
+
+    ready: bool
+    platform: str = ""
+    num_executables: int = 0
+    compile_seconds: float = 0.0
+    num_cache_hits: int = 0
+    num_recompiles: int = 0
+    num_steps: int = 0
+
+
+class WorkerDiedError(RuntimeError):
+    """The worker process is gone (killed, crashed, unreachable).
+
+    Raised by a remote worker's ``execute`` / ``initialize``; fatal for the
+    engine: the request in flight and every unfinished request fail with it.
+    """
+
+
+class RecompileError(RuntimeError):
+    """A step compiled a new executable after warm-up (strict mode only)."""
 
 
 class Worker(Protocol):

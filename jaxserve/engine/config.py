@@ -90,14 +90,20 @@ class CacheConfig:
       block_size: S, tokens per block.
       num_kv_blocks: B including the null block; None = sized by the worker
         from ``kv_cache_bytes``.
-      kv_cache_bytes: the KV cache budget when ``num_kv_blocks`` is None.
+      kv_cache_bytes: the KV cache budget when ``num_kv_blocks`` is None;
+        None = sized by the worker: on a GPU / TPU from free device memory
+        after the weights and the largest bucket's activations (times
+        ``memory_utilization``), on CPU 1 GiB (``jaxserve.worker.kv_sizing``).
+      memory_utilization: the fraction of device memory the worker may use
+        when it sizes the cache itself.
       enable_prefix_caching: share full blocks between requests by a hash
         chain over their tokens.
     """
 
     block_size: int = 16
     num_kv_blocks: int | None = None
-    kv_cache_bytes: int = 1 << 30
+    kv_cache_bytes: int | None = None
+    memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
@@ -106,8 +112,31 @@ class CacheConfig:
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError(f"num_kv_blocks must be >= 2 (block 0 is reserved), "
                              f"got {self.num_kv_blocks}")
-        if self.kv_cache_bytes < 1:
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
             raise ValueError(f"kv_cache_bytes must be >= 1, got {self.kv_cache_bytes}")
+        if not 0.0 < self.memory_utilization <= 1.0:
+            raise ValueError(f"memory_utilization must be in (0, 1], "
+                             f"got {self.memory_utilization}")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CompileConfig:
+    """How the worker compiles its step executables (``jaxserve.worker.compile_manager``).
+
+    Attributes:
+      precompile: compile (or load from the persistent cache) every
+        executable of the ladders at start-up and arm the recompile guard;
+        False compiles lazily (development only).
+      strict_recompile: a compile after warm-up raises ``RecompileError``
+        (tests); otherwise it is logged and counted.
+      cache_dir: JAX's persistent compilation cache directory for the worker
+        (minimum compile time 0); None = JAX's own setting (e.g.
+        ``JAX_COMPILATION_CACHE_DIR``).
+    """
+
+    precompile: bool = True
+    strict_recompile: bool = False
+    cache_dir: str | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -121,6 +150,9 @@ class EngineConfig:
       scheduler, cache: see their classes.
       attention_backend: None = the worker's platform default.
       seed: the server seed for unseeded sampling.
+      async_scheduling: plan step N + 1 while the worker runs step N
+        (``jaxserve.engine.core``).
+      compile: see ``CompileConfig``.
       eos_token_ids: filled from the worker's geometry by ``resolved``.
     """
 
@@ -131,6 +163,8 @@ class EngineConfig:
     cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
     attention_backend: str | None = None
     seed: int = 0
+    async_scheduling: bool = False
+    compile: CompileConfig = dataclasses.field(default_factory=CompileConfig)
     eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
@@ -145,7 +179,10 @@ class EngineConfig:
             max_num_seqs=self.scheduler.max_num_seqs, max_model_len=self.max_model_len,
             token_buckets=self.scheduler.token_buckets,
             request_buckets=self.scheduler.request_buckets,
-            attention_backend=self.attention_backend, seed=self.seed)
+            attention_backend=self.attention_backend, seed=self.seed,
+            memory_utilization=self.cache.memory_utilization,
+            precompile=self.compile.precompile, strict_recompile=self.compile.strict_recompile,
+            compilation_cache_dir=self.compile.cache_dir)
 
     def resolved(self, geometry: Geometry) -> "EngineConfig":
         """A new config with the worker's geometry filled in.

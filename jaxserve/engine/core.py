@@ -1,18 +1,52 @@
-"""The engine core: scheduler + worker, one step at a time (jax-free).
+"""The engine core: scheduler + worker, one step per ``step()`` call (jax-free).
 
 ``EngineCore(config, worker)`` initializes the worker (which reports the
-geometry: KV blocks, block size, max model length, vocabulary, EOS ids),
-then each ``step()`` does::
+geometry: KV blocks, block size, max model length, vocabulary, EOS ids).
+The worker is anything with the ``jaxserve.step_plan.Worker`` interface —
+``jaxserve.worker.InProcessWorker`` in the same process,
+``jaxserve.engine.grpc_worker.GrpcWorker`` in a worker process — and the
+engine's code does not change between them.
+
+**Synchronous** (``async_scheduling=False``), each ``step()`` does::
 
     schedule() → build_plan() → worker.execute(plan) → update() → outputs
 
-The worker is anything with the ``jaxserve.step_plan.Worker`` interface:
-``jaxserve.worker.InProcessWorker`` in the same process, a gRPC stub later;
-the engine's code does not change between them.
+**Asynchronous** (``async_scheduling=True``, DESIGN.md "The step plan"): the
+worker runs on a helper thread and the engine plans step N + 1 while step N
+runs, so scheduling, plan building, the RPC hop and the caller's output
+handling overlap the device instead of sitting between steps::
+
+    step():  [submit step N if none is in flight]
+             schedule + build + submit step N + 1   (step N still running)
+             wait for step N → update() → return step N's outputs
+
+Planning N + 1 before N's tokens are known works because decode input ids
+come from the worker's own rows: the engine only needs to know that a
+sequence sampling in step N will have one more token. For the duration of
+that schedule such a sequence carries a **placeholder** token (vLLM's
+output placeholders; never visible outside ``step()``), so it is scheduled
+for the decode of the token in flight, and its blocks are registered in the
+prefix cache only once the token is known (never hashed with a
+placeholder). A sequence whose in-flight token will reach ``max_tokens``
+gets no placeholder. Then, when step N's tokens come back:
+
+- a sequence that stops at step N (EOS, stop id, max_tokens, aborted) was
+  possibly scheduled in step N + 1 too: its token from step N + 1 is
+  dropped (``Scheduler.update`` skips sequences no longer running), its row
+  and blocks were released at step N's update and the row reaches the
+  worker as a freed row of step N + 2, after step N + 1 has run;
+- a sequence preempted while planning step N + 1 keeps the token it sampled
+  in step N (it may also finish with it) and comes back later as a new row.
+
+Worker death: ``execute`` raises ``WorkerDiedError``; ``step()`` re-raises
+it, and every later ``step()`` / ``add_request`` raises it at once
+(``serving`` is then False).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import dataclasses
 import logging
 import time
 from collections.abc import Iterable
@@ -20,10 +54,22 @@ from collections.abc import Iterable
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.messages import EngineCoreOutput, EngineCoreRequest, EngineStats
 from jaxserve.engine.plan_builder import build_plan
-from jaxserve.engine.scheduler import Scheduler
-from jaxserve.step_plan import Geometry, Worker
+from jaxserve.engine.request import Request, RequestStatus
+from jaxserve.engine.scheduler import ScheduledStep, Scheduler
+from jaxserve.step_plan import Geometry, StepPlan, StepResult, Worker, WorkerDiedError
 
 logger = logging.getLogger(__name__)
+
+PLACEHOLDER = -1  # a token in flight; never a real id (ids are >= 0)
+
+
+@dataclasses.dataclass(slots=True)
+class _InFlight:
+    """A step submitted to the worker whose result has not been applied."""
+
+    scheduled: ScheduledStep
+    plan: StepPlan
+    result: concurrent.futures.Future
 
 
 class EngineCore:
@@ -31,13 +77,17 @@ class EngineCore:
 
     Args:
       config: the engine configuration (unresolved: the worker fills in the
-        geometry).
+        geometry); ``config.async_scheduling`` picks the mode.
       worker: a ``Worker``; ``initialize`` is called here.
 
     Attributes:
       config: the resolved configuration.
       geometry: what the worker reported.
+      num_steps: steps whose results were applied.
       schedule_seconds: CPU seconds spent in schedule + plan + update, in total.
+      worker_seconds / device_seconds: the worker's reported wall time per
+        plan and, of that, device time, summed over applied steps.
+      error: the ``WorkerDiedError`` that stopped the engine, or None.
     """
 
     def __init__(self, config: EngineConfig, worker: Worker):
@@ -45,15 +95,31 @@ class EngineCore:
         self.geometry: Geometry = worker.initialize(config.worker_init())
         self.config = config.resolved(self.geometry)
         self.scheduler = Scheduler(self.config)
+        self.async_scheduling = config.async_scheduling
         self.num_steps = 0
         self.schedule_seconds = 0.0
+        self.worker_seconds = 0.0
+        self.device_seconds = 0.0
+        self.error: WorkerDiedError | None = None
+        self._next_step_id = 0
+        self._in_flight: _InFlight | None = None
+        self._executor = (concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="engine-worker") if self.async_scheduling else None)
         logger.info("engine ready: %d KV blocks of %d tokens, max_model_len %d, T ladder %s, "
-                    "R ladder %s", self.geometry.num_kv_blocks, self.geometry.block_size,
-                    self.geometry.max_model_len, self.config.scheduler.token_buckets,
-                    self.config.scheduler.request_buckets)
+                    "R ladder %s, %s scheduling", self.geometry.num_kv_blocks,
+                    self.geometry.block_size, self.geometry.max_model_len,
+                    self.config.scheduler.token_buckets, self.config.scheduler.request_buckets,
+                    "async" if self.async_scheduling else "sync")
 
+    # -------------------------------------------------------------- requests
     def add_request(self, request: EngineCoreRequest) -> None:
-        """Queues a request. Raises ValueError on an invalid one (see ``Scheduler.add_request``)."""
+        """Queues a request.
+
+        Raises:
+          ValueError: an invalid request (see ``Scheduler.add_request``).
+          WorkerDiedError: the engine stopped serving.
+        """
+        self._check_serving()
         self.scheduler.add_request(request, self.geometry.vocab_size)
 
     def abort_requests(self, ids: Iterable[str | tuple[str, int]]) -> None:
@@ -63,26 +129,119 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    @property
+    def serving(self) -> bool:
+        """False once the worker died."""
+        return self.error is None
+
+    def _check_serving(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    # ------------------------------------------------------------------ step
     def step(self) -> list[EngineCoreOutput]:
-        """Schedules and runs one step; returns the sequences' new tokens.
+        """Runs one step (see the module docstring); returns sequences' new tokens.
 
         Returns [] when there is nothing to run.
+
+        Raises:
+          WorkerDiedError: the worker died (now, or before: the engine is dead).
+          ValueError / RuntimeError: the worker refused or failed the step.
         """
+        self._check_serving()
+        try:
+            return self._step_async() if self.async_scheduling else self._step_sync()
+        except WorkerDiedError as err:
+            self.error = err
+            logger.error("the engine stops serving: %s", err)
+            raise
+
+    def _step_sync(self) -> list[EngineCoreOutput]:
+        planned = self._plan()
+        if planned is None:
+            return []
+        scheduled, plan = planned
+        return self._apply(scheduled, self.worker.execute(plan), ())
+
+    def _step_async(self) -> list[EngineCoreOutput]:
+        if self._in_flight is None:
+            self._in_flight = self._submit(self._plan())
+            if self._in_flight is None:
+                return []
+        current = self._in_flight
+        placeholders = self._add_placeholders(current.scheduled)
+        try:
+            self._in_flight = self._submit(self._plan())
+        finally:
+            for req, cacheable in placeholders:
+                req.cacheable = cacheable
+        return self._apply(current.scheduled, current.result.result(),
+                           [req for req, _ in placeholders])
+
+    def _plan(self) -> tuple[ScheduledStep, StepPlan] | None:
         t0 = time.process_time()
         scheduled = self.scheduler.schedule()
         if not scheduled.reqs:
             self.scheduler.freed_rows[:0] = scheduled.freed_rows  # keep them for the next plan
-            return []
+            return None
         sched = self.config.scheduler
-        plan = build_plan(scheduled, self.num_steps, sched.token_buckets, sched.request_buckets)
-        t1 = time.process_time()
-        result = self.worker.execute(plan)
-        t2 = time.process_time()
+        plan = build_plan(scheduled, self._next_step_id, sched.token_buckets,
+                          sched.request_buckets)
+        self._next_step_id += 1
+        self.schedule_seconds += time.process_time() - t0
+        return scheduled, plan
+
+    def _submit(self, planned: tuple[ScheduledStep, StepPlan] | None) -> _InFlight | None:
+        if planned is None:
+            return None
+        scheduled, plan = planned
+        return _InFlight(scheduled, plan, self._executor.submit(self.worker.execute, plan))
+
+    def _add_placeholders(self, scheduled: ScheduledStep) -> list[tuple[Request, bool]]:
+        """Appends a placeholder to each sequence whose token is in flight and that may go on.
+
+        Returns (sequence, its ``cacheable``) pairs; ``cacheable`` is turned
+        off until the schedule is done, so no block is hashed with a
+        placeholder.
+        """
+        out = []
+        for req, sample in zip(scheduled.reqs, scheduled.sample):
+            if (sample and req.status == RequestStatus.RUNNING
+                    and req.num_output_tokens + 1 < req.max_tokens):
+                req.token_ids.append(PLACEHOLDER)
+                out.append((req, req.cacheable))
+                req.cacheable = False
+        return out
+
+    def _apply(self, scheduled: ScheduledStep, result: StepResult,
+               placeholders: Iterable[Request]) -> list[EngineCoreOutput]:
+        """Feeds a step's result to the scheduler (after removing the placeholders)."""
+        t0 = time.process_time()
+        for req in placeholders:
+            assert req.token_ids[-1] == PLACEHOLDER, req
+            req.token_ids.pop()
+        # Sequences preempted after this step was planned still get its token.
+        revived = [req for req, sample in zip(scheduled.reqs, scheduled.sample)
+                   if sample and req.status == RequestStatus.WAITING]
+        for req in revived:
+            req.status = RequestStatus.RUNNING
         outputs = self.scheduler.update(scheduled, result)
-        self.schedule_seconds += (t1 - t0) + (time.process_time() - t2)
+        for req in revived:
+            if req.status == RequestStatus.RUNNING:
+                req.status = RequestStatus.WAITING
+            else:  # finished by that token: it leaves the waiting queue
+                self.scheduler.waiting.remove(req)
+        bm = self.scheduler.block_manager
+        for req in placeholders:
+            if req.status == RequestStatus.RUNNING:
+                bm.cache_full_blocks(req)  # blocks whose last token was in flight
+        self.schedule_seconds += time.process_time() - t0
+        self.worker_seconds += result.execute_seconds
+        self.device_seconds += result.device_seconds
         self.num_steps += 1
         return outputs
 
+    # ----------------------------------------------------------------- stats
     def stats(self) -> EngineStats:
         """A snapshot of queue lengths, KV blocks and prefix-cache counters."""
         s, bm = self.scheduler, self.scheduler.block_manager
@@ -95,4 +254,13 @@ class EngineCore:
             num_preemptions=s.num_preemptions, num_steps=self.num_steps)
 
     def shutdown(self) -> None:
+        """Waits for a step in flight (its tokens are dropped), then shuts the worker down."""
+        if self._in_flight is not None:
+            try:
+                self._in_flight.result.result()
+            except Exception as err:  # noqa: BLE001 - shutting down anyway
+                logger.warning("the step in flight failed during shutdown: %s", err)
+            self._in_flight = None
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
         self.worker.shutdown()

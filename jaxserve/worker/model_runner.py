@@ -12,8 +12,11 @@
   row per worker row; they are touched only in steps where a sampling row
   has a penalty.
 
-So the executables number |T ladder| + |R ladder| (plus the two penalty
-helpers per R that penalties use), not the product.
+So the step executables number |T ladder| + |R ladder|, not the product;
+the penalty helpers add 3 per R (``gather_penalty_rows``,
+``add_output_counts``, ``penalty_zeros``) plus ``set_penalty_row`` and the
+``[M, V]`` ``penalty_zeros``, all compiled at start-up
+(``jaxserve.worker.executables``).
 """
 
 from __future__ import annotations
@@ -83,6 +86,11 @@ def set_penalty_row(prompt_mask: jax.Array, output_counts: jax.Array, row: jax.A
     return prompt_mask.at[row].set(mask_row), output_counts.at[row].set(counts_row)
 
 
-def zeros_like_penalties(num_rows: int, vocab_size: int) -> tuple[jax.Array, jax.Array]:
-    """Device zeros (bool[R, V], i32[R, V]) for steps without penalties."""
+@functools.partial(jax.jit, static_argnames=("num_rows", "vocab_size"))
+def penalty_zeros(num_rows: int, vocab_size: int) -> tuple[jax.Array, jax.Array]:
+    """Device zeros (bool[R, V], i32[R, V]): steps without penalties, and the [M, V] state.
+
+    Jitted with static shapes so that the warm-up compiles it (an eager
+    ``jnp.zeros`` would compile on first use).
+    """
     return (jnp.zeros((num_rows, vocab_size), bool), jnp.zeros((num_rows, vocab_size), jnp.int32))

@@ -1,0 +1,191 @@
+"""``jaxserve.step_plan`` dataclasses <-> ``proto/jaxserve/worker.proto`` messages (jax-free).
+
+Every array travels as raw little-endian bytes (``np.ndarray.tobytes`` of a
+``<i4`` / ``<f4`` / ``u1`` array; ``np.frombuffer`` back, a read-only view of
+the message's bytes, no copy), so a decode step's plan is a few bytes per
+scheduled row: ``rows``, ``num_computed``, ``num_tokens`` (4 bytes each)
+and ``sample`` (1 byte), plus one appended block id (8 bytes with its row)
+every S steps. Sampling parameters travel as JSON (only in a ``NewRow``,
+once per sequence), which keeps any-size integer seeds and float values
+exact.
+
+Decoding validates like the dataclasses do (``StepPlan.__post_init__``):
+a byte count that is not a whole number of elements raises ValueError.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from jaxserve.proto import worker_pb2 as wpb
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.step_plan import (Geometry, NewRow, StepPlan, StepResult, WorkerInit,
+                                WorkerStatus)
+
+_I32 = np.dtype("<i4")
+_F32 = np.dtype("<f4")
+_U8 = np.dtype("u1")
+
+
+# ------------------------------------------------------------------ arrays
+def _to_bytes(arr: np.ndarray, dtype: np.dtype) -> bytes:
+    return np.ascontiguousarray(arr, dtype=dtype).tobytes()
+
+
+def _from_bytes(name: str, data: bytes, dtype: np.dtype, width: int = 0) -> np.ndarray:
+    if len(data) % dtype.itemsize or (width and len(data) % (dtype.itemsize * width)):
+        raise ValueError(f"{name}: {len(data)} bytes is not a whole number of "
+                         f"{dtype.itemsize * max(width, 1)}-byte elements")
+    arr = np.frombuffer(data, dtype)
+    arr = arr.astype(dtype.newbyteorder("="), copy=False)  # native order (a no-op on x86/ARM)
+    return arr.reshape(-1, width) if width else arr
+
+
+def _i32(name: str, data: bytes) -> np.ndarray:
+    return _from_bytes(name, data, _I32)
+
+
+# --------------------------------------------------------- sampling params
+def sampling_to_json(params: SamplingParams, seed: int | None) -> str:
+    """A ``NewRow``'s parameters and seed as JSON (logit_bias as [[id, bias], ...])."""
+    d = params.to_dict()
+    if d["logit_bias"] is not None:
+        d["logit_bias"] = [[int(k), float(v)] for k, v in d["logit_bias"].items()]
+    return json.dumps({"params": d, "seed": seed}, allow_nan=False, separators=(",", ":"))
+
+
+def sampling_from_json(text: str) -> tuple[SamplingParams, int | None]:
+    """Inverse of ``sampling_to_json``. Raises ValueError on bad JSON or parameters."""
+    data = json.loads(text)
+    d = dict(data["params"])
+    if d.get("logit_bias") is not None:
+        d["logit_bias"] = {int(k): float(v) for k, v in d["logit_bias"]}
+    return SamplingParams.from_dict(d), data["seed"]
+
+
+# ----------------------------------------------------------------- messages
+def init_to_proto(init: WorkerInit) -> wpb.InitializeRequest:
+    msg = wpb.InitializeRequest(
+        dtype=init.dtype, block_size=init.block_size, max_num_seqs=init.max_num_seqs,
+        token_buckets=list(init.token_buckets), request_buckets=list(init.request_buckets),
+        seed_json=json.dumps(int(init.seed)), memory_utilization=init.memory_utilization,
+        precompile=init.precompile, strict_recompile=init.strict_recompile)
+    for field in ("model", "num_kv_blocks", "kv_cache_bytes", "max_model_len",
+                  "attention_backend", "compilation_cache_dir"):
+        value = getattr(init, field)
+        if value is not None:
+            setattr(msg, field, value)
+    return msg
+
+
+def init_from_proto(msg: wpb.InitializeRequest) -> WorkerInit:
+    opt = lambda f: getattr(msg, f) if msg.HasField(f) else None  # noqa: E731
+    return WorkerInit(
+        model=opt("model"), dtype=msg.dtype, block_size=msg.block_size,
+        num_kv_blocks=opt("num_kv_blocks"), kv_cache_bytes=opt("kv_cache_bytes"),
+        max_num_seqs=msg.max_num_seqs, max_model_len=opt("max_model_len"),
+        token_buckets=tuple(msg.token_buckets), request_buckets=tuple(msg.request_buckets),
+        attention_backend=opt("attention_backend"), seed=int(json.loads(msg.seed_json)),
+        memory_utilization=msg.memory_utilization, precompile=msg.precompile,
+        strict_recompile=msg.strict_recompile,
+        compilation_cache_dir=opt("compilation_cache_dir"))
+
+
+def geometry_to_proto(g: Geometry) -> wpb.Geometry:
+    return wpb.Geometry(num_kv_blocks=g.num_kv_blocks, block_size=g.block_size,
+                        max_model_len=g.max_model_len, vocab_size=g.vocab_size,
+                        eos_token_ids=list(g.eos_token_ids))
+
+
+def geometry_from_proto(msg: wpb.Geometry) -> Geometry:
+    return Geometry(num_kv_blocks=msg.num_kv_blocks, block_size=msg.block_size,
+                    max_model_len=msg.max_model_len, vocab_size=msg.vocab_size,
+                    eos_token_ids=tuple(msg.eos_token_ids))
+
+
+def plan_to_proto(plan: StepPlan) -> wpb.StepPlan:
+    """The wire form of a plan (see the module docstring for the sizes)."""
+    return wpb.StepPlan(
+        step_id=plan.step_id,
+        freed_rows=_to_bytes(plan.freed_rows, _I32),
+        new_rows=[wpb.NewRow(row=n.row, token_ids=_to_bytes(n.token_ids, _I32),
+                             num_prompt_tokens=n.num_prompt_tokens,
+                             sampling_json=sampling_to_json(n.sampling_params, n.seed),
+                             block_ids=_to_bytes(n.block_ids, _I32))
+                  for n in plan.new_rows],
+        append_rows=_to_bytes(plan.append_rows, _I32),
+        append_block_ids=_to_bytes(plan.append_block_ids, _I32),
+        rows=_to_bytes(plan.rows, _I32),
+        num_computed=_to_bytes(plan.num_computed, _I32),
+        num_tokens=_to_bytes(plan.num_tokens, _I32),
+        sample=_to_bytes(plan.sample, _U8),
+        num_tokens_bucket=plan.num_tokens_bucket,
+        num_reqs_bucket=plan.num_reqs_bucket)
+
+
+def plan_from_proto(msg: wpb.StepPlan) -> StepPlan:
+    """Inverse of ``plan_to_proto``. Raises ValueError on malformed arrays or parameters."""
+    new_rows = []
+    for n in msg.new_rows:
+        params, seed = sampling_from_json(n.sampling_json)
+        new_rows.append(NewRow(row=n.row, token_ids=_i32("token_ids", n.token_ids),
+                               num_prompt_tokens=n.num_prompt_tokens, sampling_params=params,
+                               seed=seed, block_ids=_i32("block_ids", n.block_ids)))
+    return StepPlan(
+        step_id=msg.step_id,
+        freed_rows=_i32("freed_rows", msg.freed_rows),
+        new_rows=tuple(new_rows),
+        append_rows=_i32("append_rows", msg.append_rows),
+        append_block_ids=_i32("append_block_ids", msg.append_block_ids),
+        rows=_i32("rows", msg.rows),
+        num_computed=_i32("num_computed", msg.num_computed),
+        num_tokens=_i32("num_tokens", msg.num_tokens),
+        sample=_from_bytes("sample", msg.sample, _U8).astype(np.bool_),
+        num_tokens_bucket=msg.num_tokens_bucket,
+        num_reqs_bucket=msg.num_reqs_bucket)
+
+
+def result_to_proto(result: StepResult) -> wpb.StepResult:
+    msg = wpb.StepResult(step_id=result.step_id, token_ids=_to_bytes(result.token_ids, _I32),
+                         execute_seconds=result.execute_seconds,
+                         device_seconds=result.device_seconds)
+    if result.logprob is not None:
+        msg.has_logprobs = True
+        msg.logprob = _to_bytes(result.logprob, _F32)
+        msg.rank = _to_bytes(result.rank, _I32)
+        msg.num_top_logprobs = result.top_token_ids.shape[1]
+        msg.top_token_ids = _to_bytes(result.top_token_ids, _I32)
+        msg.top_logprobs = _to_bytes(result.top_logprobs, _F32)
+    return msg
+
+
+def result_from_proto(msg: wpb.StepResult) -> StepResult:
+    """Inverse of ``result_to_proto``. Raises ValueError on malformed arrays."""
+    token_ids = _i32("token_ids", msg.token_ids)
+    if not msg.has_logprobs:
+        return StepResult(msg.step_id, token_ids, execute_seconds=msg.execute_seconds,
+                          device_seconds=msg.device_seconds)
+    width = msg.num_top_logprobs
+    top_ids = _from_bytes("top_token_ids", msg.top_token_ids, _I32, width) if width else \
+        np.zeros((len(token_ids), 0), np.int32)
+    top_lp = _from_bytes("top_logprobs", msg.top_logprobs, _F32, width) if width else \
+        np.zeros((len(token_ids), 0), np.float32)
+    return StepResult(msg.step_id, token_ids, _from_bytes("logprob", msg.logprob, _F32),
+                      _i32("rank", msg.rank), top_ids, top_lp,
+                      execute_seconds=msg.execute_seconds, device_seconds=msg.device_seconds)
+
+
+def status_to_proto(s: WorkerStatus) -> wpb.WorkerStatus:
+    return wpb.WorkerStatus(ready=s.ready, platform=s.platform,
+                            num_executables=s.num_executables, compile_seconds=s.compile_seconds,
+                            num_cache_hits=s.num_cache_hits, num_recompiles=s.num_recompiles,
+                            num_steps=s.num_steps)
+
+
+def status_from_proto(msg: wpb.WorkerStatus) -> WorkerStatus:
+    return WorkerStatus(ready=msg.ready, platform=msg.platform,
+                        num_executables=msg.num_executables, compile_seconds=msg.compile_seconds,
+                        num_cache_hits=msg.num_cache_hits, num_recompiles=msg.num_recompiles,
+                        num_steps=msg.num_steps)

@@ -1,0 +1,110 @@
+"""How many KV blocks the worker allocates.
+
+In order of precedence (``WorkerInit``):
+
+1. ``num_kv_blocks`` — as given;
+2. ``kv_cache_bytes`` — that many bytes of blocks;
+3. automatic — on a device that reports its memory (GPU, TPU:
+   ``Device.memory_stats()``), what is left of ``bytes_limit ×
+   memory_utilization`` after what is in use (the weights, loaded before
+   sizing) and the peak activations of the largest buckets, read from
+   ``compiled.memory_analysis()`` of the largest-T body and the largest-R
+   sampler; on CPU, which reports no memory, ``DEFAULT_CPU_KV_CACHE_BYTES``
+   (the configured budget is ``kv_cache_bytes``).
+
+vLLM sizes its cache the same way from a profiling run; here the compiler's
+own accounting of temporaries replaces the run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # CPU memory is not reported by JAX; a fixed budget
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DeviceMemory:
+    """A device's memory, bytes: its limit and what is in use now."""
+
+    bytes_limit: int
+    bytes_in_use: int
+
+
+def device_memory(device) -> DeviceMemory | None:
+    """``device.memory_stats()`` as a ``DeviceMemory``; None where not reported (CPU)."""
+    stats = device.memory_stats()
+    if not stats or "bytes_limit" not in stats:
+        return None
+    return DeviceMemory(int(stats["bytes_limit"]), int(stats.get("bytes_in_use", 0)))
+
+
+def peak_activation_bytes(compiled: Sequence) -> int:
+    """Largest temporary + non-aliased output bytes over compiled executables.
+
+    Args:
+      compiled: ``jax.stages.Compiled`` objects (their ``memory_analysis()``).
+        The executables run one after another, so the peak is the max, not
+        the sum. Donated (aliased) outputs such as the KV cache reuse their
+        inputs' memory and are not counted.
+    """
+    peak = 0
+    for c in compiled:
+        m = c.memory_analysis()
+        if m is None:
+            continue
+        peak = max(peak, m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes)
+    return peak
+
+
+def blocks_from_free_memory(memory: DeviceMemory, activation_bytes: int, utilization: float,
+                            bytes_per_block: int) -> int:
+    """KV blocks that fit in ``limit × utilization − in use − activations``.
+
+    Raises:
+      ValueError: utilization outside (0, 1], or fewer than 2 blocks fit
+        (the message gives the numbers).
+    """
+    if not 0.0 < utilization <= 1.0:
+        raise ValueError(f"memory_utilization must be in (0, 1], got {utilization}")
+    free = int(memory.bytes_limit * utilization) - memory.bytes_in_use - activation_bytes
+    blocks = max(free, 0) // bytes_per_block
+    if blocks < 2:
+        raise ValueError(
+            f"no room for a KV cache: {memory.bytes_limit} B x {utilization} - "
+            f"{memory.bytes_in_use} B in use - {activation_bytes} B of activations leaves "
+            f"{free} B, fewer than 2 blocks of {bytes_per_block} B")
+    return blocks
+
+
+def num_kv_blocks(*, num_blocks: int | None, kv_cache_bytes: int | None, bytes_per_block: int,
+                  memory: DeviceMemory | None, utilization: float,
+                  activation_bytes=lambda: 0) -> int:
+    """The number of blocks B (null block included), by the rules in the module docstring.
+
+    Args:
+      num_blocks, kv_cache_bytes: ``WorkerInit``'s explicit settings.
+      bytes_per_block: one block over all layers, K and V.
+      memory: the device's memory (None on CPU).
+      utilization: ``WorkerInit.memory_utilization``.
+      activation_bytes: a callable returning the peak activation bytes; only
+        called for automatic sizing on a device that reports memory (it
+        compiles the largest buckets).
+    """
+    if num_blocks is not None:
+        return num_blocks
+    if kv_cache_bytes is not None:
+        return kv_cache_bytes // bytes_per_block
+    if memory is None:
+        return DEFAULT_CPU_KV_CACHE_BYTES // bytes_per_block
+    activations = activation_bytes()
+    blocks = blocks_from_free_memory(memory, activations, utilization, bytes_per_block)
+    logger.info("KV cache from device memory: limit %.2f GiB x %.2f, in use %.2f GiB, "
+                "activations %.1f MiB -> %d blocks of %.2f MiB", memory.bytes_limit / 2**30,
+                utilization, memory.bytes_in_use / 2**30, activations / 2**20, blocks,
+                bytes_per_block / 2**20)
+    return blocks

@@ -1,0 +1,240 @@
+"""The worker process: ``InProcessWorker`` served as ``jaxserve.worker.WorkerService``.
+
+    python -m jaxserve.worker.server --address 127.0.0.1:50062 \\
+        [--compilation-cache-dir DIR] [--exit-with-parent] [--log-level INFO]
+
+Life cycle (proto/jaxserve/worker.proto documents the service):
+
+1. start-up: imports jax, the model code and transformers (seconds), binds
+   ``--address`` (port 0 picks a free port), then prints one line on stdout,
+   ``JAXSERVE_WORKER_LISTENING <host>:<port>``; from then on the port answers;
+2. the engine (``jaxserve.engine.grpc_worker.GrpcWorker``) calls
+   ``Initialize``: model load, KV cache, every step executable compiled or
+   loaded from the persistent cache — the slow part; the standard
+   ``grpc.health.v1`` service reports NOT_SERVING until it is done, then
+   SERVING (service names "" and "jaxserve.worker.WorkerService");
+3. one ``Execute`` per step, run one at a time in arrival order;
+4. ``Shutdown`` (or SIGTERM / SIGINT) releases the device state and the
+   process exits with status 0. ``--exit-with-parent`` also exits when the
+   parent process goes away (no orphan worker holding the device).
+
+The process has no other state: an engine that reconnects calls
+``Initialize`` again, which replaces the previous model and cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from concurrent import futures
+from typing import TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from jaxserve import plan_codec
+from jaxserve.proto import worker_pb2 as wpb
+from jaxserve.proto import worker_pb2_grpc as wpb_grpc
+from jaxserve.step_plan import WorkerStatus
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = "jaxserve.worker.WorkerService"
+LISTENING_PREFIX = "JAXSERVE_WORKER_LISTENING"
+MAX_MESSAGE_BYTES = 512 << 20  # a plan of many long new rows can exceed gRPC's 4 MiB default
+# Keepalive pings from the engine are allowed at any rate (they detect a
+# hung worker); see GrpcWorker's channel options.
+SERVER_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 1000),
+    ("grpc.http2.max_ping_strikes", 0),
+]
+T = TypeVar("T")
+
+
+class WorkerServicer(wpb_grpc.WorkerServiceServicer):
+    """``WorkerService`` over an ``InProcessWorker``; one Initialize / Execute at a time.
+
+    Args:
+      make_worker: builds a fresh ``InProcessWorker`` for each Initialize.
+      health_servicer: the grpc.health.v1 servicer to flip to SERVING.
+      on_shutdown: called after a Shutdown call has released the worker.
+    """
+
+    def __init__(self, make_worker: Callable[[], object], health_servicer: health.HealthServicer,
+                 on_shutdown: Callable[[], None]):
+        self._make_worker = make_worker
+        self._health = health_servicer
+        self._on_shutdown = on_shutdown
+        self._lock = threading.Lock()  # serializes Initialize / Execute / Shutdown
+        self._worker = None
+
+    def _set_serving(self, serving: bool) -> None:
+        status = (health_pb2.HealthCheckResponse.SERVING if serving
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        for name in ("", SERVICE_NAME):
+            self._health.set(name, status)
+
+    def _call(self, context: grpc.ServicerContext, what: str, fn: Callable[[], T]) -> T:
+        """Runs ``fn``, turning its errors into gRPC statuses (see the .proto).
+
+        ``fn`` must not call ``context.abort`` (it raises a plain Exception).
+        """
+        try:
+            return fn()
+        except ValueError as err:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: {err}")
+        except Exception as err:  # noqa: BLE001 - reported to the engine, which stops
+            logger.exception("%s failed", what)
+            context.abort(grpc.StatusCode.INTERNAL, f"{what}: {type(err).__name__}: {err}")
+
+    def Initialize(self, request: wpb.InitializeRequest,
+                   context: grpc.ServicerContext) -> wpb.Geometry:
+        init = self._call(context, "initialize", lambda: plan_codec.init_from_proto(request))
+        with self._lock:
+            if self._worker is not None:
+                logger.info("re-initializing: the previous model and KV cache are released")
+                self._set_serving(False)
+                self._worker.shutdown()
+                self._worker = None
+            worker = self._make_worker()
+            geometry = self._call(context, "initialize", lambda: worker.initialize(init))
+            self._worker = worker
+            self._set_serving(True)
+        return plan_codec.geometry_to_proto(geometry)
+
+    def Execute(self, request: wpb.StepPlan, context: grpc.ServicerContext) -> wpb.StepResult:
+        plan = self._call(context, f"step {request.step_id}",
+                          lambda: plan_codec.plan_from_proto(request))
+        with self._lock:
+            if self._worker is None:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                              "the worker is not initialized (call Initialize first)")
+            result = self._call(context, f"step {plan.step_id}",
+                                lambda: self._worker.execute(plan))
+        return plan_codec.result_to_proto(result)
+
+    def Health(self, request: wpb.HealthRequest, context: grpc.ServicerContext) -> wpb.WorkerStatus:
+        worker = self._worker
+        status = worker.status() if worker is not None else WorkerStatus(ready=False)
+        return plan_codec.status_to_proto(status)
+
+    def StartProfile(self, request: wpb.StartProfileRequest,
+                     context: grpc.ServicerContext) -> wpb.ProfileResponse:
+        worker = self._require(context)
+        self._call(context, "start_profile", lambda: worker.start_profile(request.directory))
+        return wpb.ProfileResponse()
+
+    def StopProfile(self, request: wpb.StopProfileRequest,
+                    context: grpc.ServicerContext) -> wpb.ProfileResponse:
+        worker = self._require(context)
+        self._call(context, "stop_profile", worker.stop_profile)
+        return wpb.ProfileResponse()
+
+    def _require(self, context: grpc.ServicerContext):
+        if self._worker is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "the worker is not initialized")
+        return self._worker
+
+    def Shutdown(self, request: wpb.ShutdownRequest,
+                 context: grpc.ServicerContext) -> wpb.ShutdownResponse:
+        self.release()
+        self._on_shutdown()
+        return wpb.ShutdownResponse()
+
+    def release(self) -> None:
+        """Releases the worker's device state (idempotent)."""
+        with self._lock:
+            self._set_serving(False)
+            if self._worker is not None:
+                self._worker.shutdown()
+                self._worker = None
+
+
+def _watch_parent(stop: threading.Event, parent: int) -> None:
+    while not stop.wait(1.0):
+        if os.getppid() != parent:
+            logger.warning("the parent process %d is gone; the worker exits", parent)
+            stop.set()
+
+
+def serve(address: str, *, exit_with_parent: bool = False,
+          announce: Callable[[str], None] | None = None) -> int:
+    """Serves until Shutdown, SIGTERM / SIGINT (main thread only) or the parent's exit.
+
+    Args:
+      address: HOST:PORT; port 0 picks a free port.
+      exit_with_parent: stop when the parent process exits.
+      announce: called with the bound HOST:PORT once the port answers.
+
+    Returns:
+      0 (the process exit status).
+
+    Raises:
+      RuntimeError: the address cannot be bound.
+    """
+    from jaxserve.worker.in_process import InProcessWorker  # jax, flax, the model code
+
+    from transformers import AutoConfig  # noqa: F401 - the config reader (imports torch: seconds)
+
+    stop = threading.Event()
+    health_servicer = health.HealthServicer()
+    servicer = WorkerServicer(InProcessWorker, health_servicer, on_shutdown=stop.set)
+    servicer._set_serving(False)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=SERVER_OPTIONS)
+    wpb_grpc.add_WorkerServiceServicer_to_server(servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise RuntimeError(f"could not bind {address}")
+    bound = f"{address.rsplit(':', 1)[0]}:{port}"
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+    if exit_with_parent:
+        threading.Thread(target=_watch_parent, args=(stop, os.getppid()), daemon=True).start()
+    server.start()
+    logger.info("worker listening on %s (pid %d)", bound, os.getpid())
+    if announce is not None:
+        announce(bound)
+    stop.wait()
+    logger.info("worker shutting down")
+    servicer.release()
+    server.stop(grace=2.0).wait()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m jaxserve.worker.server",
+                                     description="jaxserve's worker (device) process")
+    parser.add_argument("--address", required=True,
+                        help="HOST:PORT to serve WorkerService on (port 0: any free port)")
+    parser.add_argument("--compilation-cache-dir", default=None,
+                        help="JAX persistent compilation cache directory (default: "
+                             "$JAX_COMPILATION_CACHE_DIR, or none)")
+    parser.add_argument("--exit-with-parent", action="store_true",
+                        help="exit when the parent process exits")
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s worker %(levelname)s %(name)s: %(message)s")
+    if args.compilation_cache_dir:
+        os.environ["JAX_COMPILATION_CACHE_DIR"] = args.compilation_cache_dir
+        os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+        os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
+    def announce(bound: str) -> None:
+        print(f"{LISTENING_PREFIX} {bound}", flush=True)  # CLI output: the launcher reads it
+
+    return serve(args.address, exit_with_parent=args.exit_with_parent, announce=announce)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
