@@ -7,9 +7,13 @@
 Process tree (each a ``python -m`` child of the launcher, on loopback ports
 the launcher picks, logging to the launcher's stderr):
 
-    launcher ── worker  python -m jaxserve.worker.server --address 127.0.0.1:W
-             ├─ engine  python -m jaxserve.engine.service --address 127.0.0.1:E --worker-address ...
-             └─ api     python -m jaxserve.api.server --engine-address 127.0.0.1:E --port P
+    launcher ── worker  python -m jaxserve.worker.server --address 127.0.0.1:0
+             ├─ api     python -m jaxserve.api.server --engine-address 127.0.0.1:E --port P
+             └─ engine  python -m jaxserve.engine.service --address 127.0.0.1:E \
+                            --worker-address 127.0.0.1:W
+
+The worker binds a free port and announces it on stdout; the engine gets
+that address. The engine's port is picked by the launcher (``free_port``).
 
 No orphans: the children share one new process group (so a terminal's Ctrl-C
 reaches only the launcher, which then stops them in order), and each asks the
@@ -40,6 +44,7 @@ from jaxserve.procutil import die_with_parent, free_port
 logger = logging.getLogger(__name__)
 
 _STOP_TIMEOUT_S = 15.0  # per process, before SIGKILL
+_ANNOUNCE_TIMEOUT_S = 300.0  # the worker imports jax and the model code before it listens
 
 
 class ServerExited(RuntimeError):
@@ -107,18 +112,13 @@ class Launcher:
         opts = self.options
         model = str(resolve_model_path(opts.model))
         env = _env()
+        worker = None
+        if not opts.in_process_worker:
+            worker = self._spawn("worker", [
+                sys.executable, "-m", "jaxserve.worker.server", "--address", "127.0.0.1:0",
+                "--exit-with-parent", "--log-level", opts.log_level], env,
+                stdout=subprocess.PIPE)
         engine_address = f"127.0.0.1:{free_port()}"
-        engine_cmd = [sys.executable, "-m", "jaxserve.engine.service", "--address",
-                      engine_address, "--model", model, "--log-level", opts.log_level,
-                      *opts.engine_flags]
-        if opts.in_process_worker:
-            engine_cmd.append("--in-process-worker")
-        else:
-            worker_address = f"127.0.0.1:{free_port()}"
-            engine_cmd += ["--worker-address", worker_address]
-            self._spawn("worker", [sys.executable, "-m", "jaxserve.worker.server",
-                                   "--address", worker_address], env)
-        self._spawn("engine", engine_cmd, env)
         api_cmd = [sys.executable, "-m", "jaxserve.api.server", "--engine-address",
                    engine_address, "--model", model, "--host", opts.host, "--port",
                    str(opts.port), "--metrics-port", str(opts.metrics_port),
@@ -126,16 +126,27 @@ class Launcher:
                    "--log-level", opts.log_level]
         if opts.model is None:
             api_cmd += ["--served-model-name", "SmolLM2-135M-Instruct"]
-        self._spawn("api", api_cmd, env)
+        self._spawn("api", api_cmd, env)  # loads its tokenizer while the worker starts
+        engine_cmd = [sys.executable, "-m", "jaxserve.engine.service", "--address",
+                      engine_address, "--model", model, "--log-level", opts.log_level,
+                      *opts.engine_flags]
+        if worker is None:
+            engine_cmd.append("--in-process-worker")
+        else:
+            engine_cmd += ["--worker-address", _read_announcement(worker)]
+        self._spawn("engine", engine_cmd, env)
 
-    def _spawn(self, name: str, cmd: list[str], env: dict[str, str]) -> None:
+    def _spawn(self, name: str, cmd: list[str], env: dict[str, str],
+               stdout: int | None = None) -> subprocess.Popen:
         logger.info("starting %s: %s", name, " ".join(cmd[1:]))
-        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL,
+        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=stdout,
+                                text=stdout is not None,
                                 process_group=0 if self._pgid is None else self._pgid,
                                 preexec_fn=functools.partial(die_with_parent, os.getpid()))
         if self._pgid is None:
             self._pgid = proc.pid
         self.processes[name] = proc
+        return proc
 
     # -------------------------------------------------------------- running
     def exited(self) -> list[tuple[str, int]]:
@@ -206,6 +217,33 @@ class Launcher:
             except ProcessLookupError:
                 pass
         logger.info("server stopped")
+
+
+def _read_announcement(proc: subprocess.Popen, timeout: float = _ANNOUNCE_TIMEOUT_S) -> str:
+    """The address the worker process announces on stdout (``LISTENING_PREFIX host:port``).
+
+    The rest of its stdout is copied to stderr (it has no other output).
+
+    Raises:
+      ServerExited: the process exited or did not announce within ``timeout`` seconds.
+    """
+    from jaxserve.engine.grpc_worker import LISTENING_PREFIX
+
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.append(proc.stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(timeout)
+    line = lines[0] if lines else ""
+    if not line.startswith(LISTENING_PREFIX):
+        raise ServerExited(f"the worker process did not start (exit status {proc.poll()}, "
+                           f"stdout {line!r})")
+    threading.Thread(target=_copy_to_stderr, args=(proc.stdout,), daemon=True).start()
+    return line.split()[1]
+
+
+def _copy_to_stderr(stream) -> None:
+    for line in stream:
+        sys.stderr.write(line)
 
 
 def _connect_host(host: str) -> str:

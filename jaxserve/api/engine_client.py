@@ -26,6 +26,12 @@ from jaxserve.proto.engine_convert import output_from_proto, request_to_proto, s
 logger = logging.getLogger(__name__)
 
 
+# Reconnect quickly while the engine starts (gRPC's default backoff grows to 2 min).
+_CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 200),
+                    ("grpc.min_reconnect_backoff_ms", 200),
+                    ("grpc.max_reconnect_backoff_ms", 1000)]
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class EngineFailure:
     """Put in a request's queue when the engine can no longer finish it."""
@@ -54,7 +60,7 @@ class EngineClient:
 
     def __init__(self, address: str) -> None:
         self.address = address
-        self._channel = grpc.aio.insecure_channel(address)
+        self._channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
         self._stub = epb_grpc.EngineServiceStub(self._channel)
         self._queues: dict[str, RequestQueue] = {}
         self._call: grpc.aio.UnaryStreamCall | None = None

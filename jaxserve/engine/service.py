@@ -178,8 +178,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="longest sequence in tokens (default: the model's)")
     parser.add_argument("--num-kv-blocks", type=int, default=None,
                         help="KV blocks (default: from --kv-cache-bytes)")
-    parser.add_argument("--kv-cache-bytes", type=int, default=1 << 30,
-                        help="KV cache budget in bytes when --num-kv-blocks is not given")
+    parser.add_argument("--kv-cache-bytes", type=int, default=None,
+                        help="KV cache budget in bytes when --num-kv-blocks is not given "
+                             "(default: the engine's)")
     parser.add_argument("--no-prefix-caching", action="store_true",
                         help="turn prefix caching off")
     parser.add_argument("--no-chunked-prefill", action="store_true",
@@ -191,8 +192,9 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
     """The engine flags of parsed ``add_engine_arguments`` values, except ``--model``."""
     flags = ["--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs),
              "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-             "--block-size", str(args.block_size), "--kv-cache-bytes", str(args.kv_cache_bytes),
-             "--seed", str(args.seed)]
+             "--block-size", str(args.block_size), "--seed", str(args.seed)]
+    if args.kv_cache_bytes is not None:
+        flags += ["--kv-cache-bytes", str(args.kv_cache_bytes)]
     if args.max_model_len is not None:
         flags += ["--max-model-len", str(args.max_model_len)]
     if args.num_kv_blocks is not None:
@@ -212,8 +214,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   enable_chunked_prefill=not args.no_chunked_prefill),
         cache=CacheConfig(block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-                          kv_cache_bytes=args.kv_cache_bytes,
-                          enable_prefix_caching=not args.no_prefix_caching),
+                          enable_prefix_caching=not args.no_prefix_caching,
+                          **({} if args.kv_cache_bytes is None
+                             else {"kv_cache_bytes": args.kv_cache_bytes})),
         seed=args.seed)
 
 

@@ -1,0 +1,71 @@
+"""Helpers for the end-to-end tests: the real worker, engine and api processes on loopback.
+
+``serve(demo_model_dir, engine_flags, ...)`` starts ``jaxserve.launcher.Launcher``
+(the code ``jaxserve serve`` runs) on free loopback ports and waits until the
+api reports SERVING. Each test module starts its server once (a
+module-scoped fixture): start-up loads the model and the step executables
+(from the persistent compilation cache the test session shares,
+tests/conftest.py), which costs tens of seconds on this CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pathlib
+import time
+from collections.abc import Iterator
+
+from jaxserve.client import Client
+from jaxserve.launcher import Launcher, ServeOptions
+from jaxserve.procutil import free_port
+
+READY_TIMEOUT_S = 900.0  # a cold compilation cache compiles every step executable
+# The demo command's engine limits: modules using them share its executables.
+SMALL_ENGINE = ("--max-num-seqs", "4", "--max-num-batched-tokens", "64")
+
+
+@contextlib.contextmanager
+def serve(model_dir: pathlib.Path, engine_flags: tuple[str, ...] = SMALL_ENGINE, *,
+          max_waiting_requests: int = 256, metrics_port: int = 0) -> Iterator[Launcher]:
+    """A running server (``launcher.address``), shut down on exit."""
+    launcher = Launcher(ServeOptions(
+        model=str(model_dir), port=free_port(), metrics_port=metrics_port,
+        max_waiting_requests=max_waiting_requests, engine_flags=engine_flags,
+        log_level=os.environ.get("JAXSERVE_TEST_SERVER_LOG_LEVEL", "WARNING")))
+    try:
+        launcher.start()
+        launcher.wait_ready(READY_TIMEOUT_S)
+        yield launcher
+    finally:
+        launcher.shutdown()
+
+
+def wait_all_blocks_free(client: Client, timeout: float = 15.0) -> tuple[int, int]:
+    """Polls GetModelInfo until every KV block is free; returns (free, total) at the end."""
+    deadline = time.monotonic() + timeout
+    while True:
+        info = client.model_info()
+        if info.num_kv_blocks_free == info.num_kv_blocks_total or time.monotonic() > deadline:
+            return info.num_kv_blocks_free, info.num_kv_blocks_total
+        time.sleep(0.1)
+
+
+def process_alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def wait_gone(pids: list[int], timeout: float = 20.0) -> list[int]:
+    """Waits until none of ``pids`` is alive; returns those still alive at the timeout."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if process_alive(p)]
+        if not alive:
+            return []
+        time.sleep(0.1)
+    return [p for p in pids if process_alive(p)]
