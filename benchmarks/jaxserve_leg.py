@@ -32,6 +32,9 @@ class EngineOptions:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
 
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
 
 def make_llm(model: str | None, tokenizer: str | None, options: EngineOptions):
     from jaxserve import LLM

@@ -62,7 +62,8 @@ def make_workload(args: argparse.Namespace, vocab_size: int) -> Workload:
                          input_range=tuple(args.input_range), output_range=tuple(args.output_range))
 
 
-def _vocab_size(model_dir: str) -> int:
+def vocab_size(model_dir: str) -> int:
+    """V from the model directory's config.json."""
     import json
     import pathlib
 
@@ -77,7 +78,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from benchmarks import jaxserve_leg
 
     model_dir = str(common.resolve_model(args.model))
-    workload = make_workload(args, _vocab_size(model_dir))
+    workload = make_workload(args, vocab_size(model_dir))
     logger.info("workload: %s", workload.summary())
     options = jaxserve_leg.EngineOptions(max_num_seqs=args.max_num_seqs,
                                          max_num_batched_tokens=args.max_num_batched_tokens)
@@ -104,8 +105,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               for name, leg in legs.items() if name != "jaxserve" and "error" not in leg}
     return {"benchmark": NAME, "args": vars(args), "environment": common.environment(),
             "load_average_before": load_before, "workload": workload.summary(),
-            "engine_options": options.__dict__ if hasattr(options, "__dict__")
-            else {f: getattr(options, f) for f in options.__slots__},
+            "engine_options": options.as_dict(),
             "legs": legs, "ratios": ratios}
 
 
