@@ -18,7 +18,7 @@ of one request (``--prompt-len`` tokens, then ``--steps`` decode steps after
 ``--warmup-steps``), so it includes the engine's host work; the worker's
 own time is reported beside it. Ratio = floor / step (1.0 = at the roofline).
 
-Writes ``<results>/decode_roofline.json``.
+Writes ``<results>/decode_roofline.json`` and ``decode_roofline.png``.
 """
 
 from __future__ import annotations
@@ -231,8 +231,13 @@ def main(argv: list[str] | None = None) -> int:
     common.setup_logging()
     result = run(args)
     path = common.write_json(args.results, NAME, result)
+    from benchmarks import plots
+
+    png = plots.bars({"floor": result["floor_ms"], "decode step": result["decode"]["step_ms"]["median"]},
+                     pathlib.Path(args.results) / f"{NAME}.png",
+                     f"batch-1 decode: ratio {result['roofline_ratio']:.2f}", "ms per token")
     print(report(result))
-    print(f"results: {path}")
+    print(f"results: {path}" + (f"\nplot: {png}" if png else ""))
     return 0
 
 

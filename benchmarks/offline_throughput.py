@@ -13,13 +13,14 @@ says how); the vLLM leg runs in vLLM's own venv (``benchmarks.vllm_leg``).
 ``--profile DIR`` profiles jaxserve's timed run and prints where the time
 of each step went (``benchmarks.profiling``).
 
-Writes ``<results>/offline_throughput.json``.
+Writes ``<results>/offline_throughput.json`` and ``offline_throughput.png``.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import pathlib
 import sys
 from typing import Any
 
@@ -141,8 +142,15 @@ def main(argv: list[str] | None = None) -> int:
     common.setup_logging()
     result = run(args)
     path = common.write_json(args.results, NAME, result)
+    from benchmarks import plots
+
+    png = plots.bars({name: leg["output_tokens_per_s"] for name, leg in result["legs"].items()
+                      if "error" not in leg},
+                     pathlib.Path(args.results) / f"{NAME}.png",
+                     f"offline throughput, {result['workload']['num_requests']} requests",
+                     "output tokens / s")
     print(report(result))
-    print(f"results: {path}")
+    print(f"results: {path}" + (f"\nplot: {png}" if png else ""))
     return 0
 
 
