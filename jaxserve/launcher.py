@@ -91,6 +91,8 @@ class Launcher:
         self.options = options
         self.address = f"{_connect_host(options.host)}:{options.port}"
         self.processes: dict[str, subprocess.Popen] = {}
+        self.engine_address: str | None = None
+        self.worker_address: str | None = None
         self._pgid: int | None = None
 
     def __enter__(self) -> "Launcher":
@@ -118,7 +120,7 @@ class Launcher:
                 sys.executable, "-m", "jaxserve.worker.server", "--address", "127.0.0.1:0",
                 "--exit-with-parent", "--log-level", opts.log_level], env,
                 stdout=subprocess.PIPE)
-        engine_address = f"127.0.0.1:{free_port()}"
+        engine_address = self.engine_address = f"127.0.0.1:{free_port()}"
         api_cmd = [sys.executable, "-m", "jaxserve.api.server", "--engine-address",
                    engine_address, "--model", model, "--host", opts.host, "--port",
                    str(opts.port), "--metrics-port", str(opts.metrics_port),
@@ -133,7 +135,8 @@ class Launcher:
         if worker is None:
             engine_cmd.append("--in-process-worker")
         else:
-            engine_cmd += ["--worker-address", _read_announcement(worker)]
+            self.worker_address = _read_announcement(worker)
+            engine_cmd += ["--worker-address", self.worker_address]
         self._spawn("engine", engine_cmd, env)
 
     def _spawn(self, name: str, cmd: list[str], env: dict[str, str],

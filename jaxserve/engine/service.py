@@ -186,6 +186,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-chunked-prefill", action="store_true",
                         help="turn chunked prefill off")
     parser.add_argument("--seed", type=int, default=0, help="server seed for unseeded sampling")
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="plan step N + 1 while the worker runs step N")
 
 
 def engine_flags(args: argparse.Namespace) -> list[str]:
@@ -203,6 +205,8 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
         flags.append("--no-prefix-caching")
     if args.no_chunked_prefill:
         flags.append("--no-chunked-prefill")
+    if args.async_scheduling:
+        flags.append("--async-scheduling")
     return flags
 
 
@@ -217,7 +221,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                           enable_prefix_caching=not args.no_prefix_caching,
                           **({} if args.kv_cache_bytes is None
                              else {"kv_cache_bytes": args.kv_cache_bytes})),
-        seed=args.seed)
+        seed=args.seed, async_scheduling=args.async_scheduling)
 
 
 def _make_worker(args: argparse.Namespace):

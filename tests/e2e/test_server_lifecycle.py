@@ -1,0 +1,152 @@
+"""Start-up, shutdown and failure of the real server processes (the demo command's limits).
+
+- The worker process dies mid-generation: the running stream fails with
+  UNAVAILABLE naming the worker within 5 s, the api and the engine report
+  NOT_SERVING, new requests are refused; shutdown leaves no process behind.
+- ``jaxserve serve`` stops cleanly on SIGTERM and on SIGINT with a stream in
+  flight (the stream ends with finish reason "abort"): exit status 0, no
+  process left.
+- A SIGKILLed ``jaxserve serve`` leaves no orphans (the children die with it).
+- ``jaxserve demo`` prints a streamed answer and exits 0, leaving nothing.
+
+Each test starts its own server (they end it), so this module costs
+several start-ups; they load the step executables from the persistent
+compilation cache shared by the test session.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from jaxserve.client import Client, JaxServeError
+from jaxserve.procutil import free_port
+from tests.e2e.helpers import READY_TIMEOUT_S, SMALL_ENGINE, serve, wait_gone
+
+pytestmark = pytest.mark.slow
+
+LONG = dict(max_tokens=2000, ignore_eos=True, temperature=0.0)
+
+
+def _children(pid: int) -> list[int]:
+    """The direct children of ``pid`` (Linux /proc)."""
+    out = []
+    for task in pathlib.Path(f"/proc/{pid}/task").iterdir():
+        out += [int(c) for c in (task / "children").read_text().split()]
+    return out
+
+
+def _engine_health(address: str) -> int:
+    with grpc.insecure_channel(address) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service="jaxserve.EngineService"), timeout=10)
+    return reply.status
+
+
+def test_worker_death_fails_requests_and_reports_not_serving(demo_model_dir):
+    with serve(demo_model_dir) as launcher:
+        pids = [p.pid for p in launcher.processes.values()]
+        with Client(launcher.address, timeout=60) as client:
+            stream = client.stream("Tell me a long story.", **LONG)
+            next(stream)
+            os.kill(launcher.processes["worker"].pid, signal.SIGKILL)
+            killed = time.monotonic()
+            with pytest.raises(JaxServeError) as err:
+                for _ in stream:
+                    pass
+            assert time.monotonic() - killed < 5.0
+            assert err.value.code == grpc.StatusCode.UNAVAILABLE
+            assert "worker" in err.value.message and "died" in err.value.message
+            assert client.health() == "NOT_SERVING"
+            assert _engine_health(launcher.engine_address) == \
+                health_pb2.HealthCheckResponse.NOT_SERVING
+            with pytest.raises(JaxServeError) as err:
+                client.generate("Anyone there?", max_tokens=2)
+            assert err.value.code == grpc.StatusCode.UNAVAILABLE
+    assert wait_gone(pids) == []
+
+
+def _start_cli(model_dir: pathlib.Path, command: str, *args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "jaxserve.cli", "--log-level", "WARNING", command, "--model",
+         str(model_dir), *SMALL_ENGINE, *args],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_serving(proc: subprocess.Popen, address: str) -> list[int]:
+    """Waits until the CLI's server is SERVING; returns the launcher's children."""
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    with Client(address, timeout=5) as client:
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            try:
+                if client.health() == "SERVING":
+                    children = _children(proc.pid)
+                    assert len(children) == 3, children
+                    return children
+            except JaxServeError:
+                pass
+            time.sleep(0.25)
+    raise AssertionError("the server did not start")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_serve_stops_cleanly_on_a_signal(demo_model_dir, sig):
+    port, metrics_port = free_port(), free_port()
+    proc = _start_cli(demo_model_dir, "serve", "--port", str(port), "--metrics-port",
+                      str(metrics_port))
+    try:
+        children = _wait_serving(proc, f"127.0.0.1:{port}")
+        deltas: list = []
+        failure: list = []
+
+        def consume():
+            try:
+                with Client(f"127.0.0.1:{port}", timeout=60) as client:
+                    deltas.extend(client.stream("Write a long poem about the sea.", **LONG))
+            except JaxServeError as err:
+                failure.append(err)
+
+        reader = threading.Thread(target=consume)
+        reader.start()
+        deadline = time.monotonic() + 60
+        while len(deltas) < 2 and time.monotonic() < deadline and reader.is_alive():
+            time.sleep(0.05)
+        assert len(deltas) >= 2, failure
+        proc.send_signal(sig)
+        assert proc.wait(60) == 0, proc.communicate()[1][-3000:]
+        reader.join(30)
+        assert not failure, failure
+        assert deltas[-1].finish_reason == "abort"
+        assert wait_gone(children) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_killed_launcher_leaves_no_orphans(demo_model_dir):
+    port = free_port()
+    proc = _start_cli(demo_model_dir, "serve", "--port", str(port), "--metrics-port", "0")
+    try:
+        children = _wait_serving(proc, f"127.0.0.1:{port}")
+    finally:
+        proc.kill()
+        proc.wait()
+    assert wait_gone(children) == []
+
+
+def test_demo_prints_a_streamed_answer_and_exits(demo_model_dir):
+    proc = _start_cli(demo_model_dir, "demo")
+    out, err = proc.communicate(timeout=READY_TIMEOUT_S)
+    assert proc.returncode == 0, err[-3000:]
+    assert "assistant:" in out and "Paris" in out.split("assistant:", 1)[1], out
