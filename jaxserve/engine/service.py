@@ -143,25 +143,51 @@ def engine_info(core: EngineCore) -> epb.EngineInfo:
         max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens)
 
 
-def start_server(loop: EngineLoop, info: epb.EngineInfo, address: str,
-                 max_workers: int = 16) -> tuple[grpc.Server, health.HealthServicer]:
-    """Binds and starts the engine's gRPC server (EngineService + health).
+class EngineServer:
+    """An ``EngineCore`` served on ``address``: the step loop, EngineService and health.
+
+    Args:
+      core: the engine core (its worker initialized).
+      address: HOST:PORT to bind.
+      max_workers: gRPC handler threads.
 
     Raises:
       RuntimeError: ``address`` cannot be bound.
     """
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers,
-                                                    thread_name_prefix="engine-rpc"),
-                         options=[("grpc.so_reuseport", 0)])
-    epb_grpc.add_EngineServiceServicer_to_server(EngineServicer(loop, info), server)
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    if server.add_insecure_port(address) == 0:
-        raise RuntimeError(f"cannot bind the engine's address {address}")
-    server.start()
-    for name in ("", SERVICE_NAME):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return server, health_servicer
+
+    def __init__(self, core: EngineCore, address: str, max_workers: int = 16) -> None:
+        self.core = core
+        self.address = address
+        self.health = health.HealthServicer()
+        self.loop = EngineLoop(core, on_failure=self._on_failure)
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers,
+                                                             thread_name_prefix="engine-rpc"),
+                                  options=[("grpc.so_reuseport", 0)])
+        epb_grpc.add_EngineServiceServicer_to_server(
+            EngineServicer(self.loop, engine_info(core)), self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.port = self.server.add_insecure_port(address)
+        if self.port == 0:
+            raise RuntimeError(f"cannot bind the engine's address {address}")
+
+    def start(self) -> None:
+        """Starts the step loop and the server; health SERVING."""
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self.loop.start()
+        self.server.start()
+
+    def _on_failure(self, error: str) -> None:
+        logger.error("engine not serving: %s", error)
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    def stop(self, grace: float = 1.0) -> None:
+        """Refuses new calls, ends the streams, stops the loop, shuts the worker down."""
+        self.health.enter_graceful_shutdown()
+        self.server.stop(grace=grace).wait()
+        self.loop.stop()
+        self.core.shutdown()
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -247,30 +273,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_engine_arguments(parser)
     args = parser.parse_args(argv)
     setup_logging("engine", args.log_level)
+    # Until the core is up, SIGTERM / SIGINT end the process at once (nothing to clean up).
+    core = EngineCore(engine_config(args), _make_worker(args))
     stop = StopSignal()
-    config = engine_config(args)
-    core = EngineCore(config, _make_worker(args))
-    health_holder: list[health.HealthServicer] = []
-
-    def on_failure(error: str) -> None:
-        logger.error("engine not serving: %s", error)
-        for name in ("", SERVICE_NAME):
-            if health_holder:
-                health_holder[0].set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-
-    loop = EngineLoop(core, on_failure=on_failure)
-    loop.start()
-    server, health_servicer = start_server(loop, engine_info(core), args.address)
-    health_holder.append(health_servicer)
-    if not loop.serving:
-        on_failure(loop.error)
+    server = EngineServer(core, args.address)
+    server.start()
     logger.info("engine serving on %s", args.address)
     stop.wait()
     logger.info("engine shutting down (signal %s)", stop.signum)
-    health_servicer.enter_graceful_shutdown()
-    server.stop(grace=1.0).wait()
-    loop.stop()
-    core.shutdown()
+    server.stop()
     logger.info("engine stopped")
     return 0
 

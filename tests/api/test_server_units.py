@@ -1,0 +1,141 @@
+"""Units of the api process: the request tracker, the server's limits, no jax in any server module.
+
+The tracker is fed engine outputs one token at a time (the demo tokenizer,
+ids of a real text); its responses must concatenate to the tokenizer's own
+decode, cut at a stop string, with the ids and logprobs after the stop
+dropped. Nothing here starts a server (tests/e2e/ does).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from jaxserve.api.completions import RequestTracker
+from jaxserve.api.prompts import MAX_LOGIT_BIAS, MAX_STOP_IDS, RequestPreparer, Unsupported
+from jaxserve.api.validation import InvalidArgument
+from jaxserve.engine.messages import EngineCoreOutput, SampleLogprobs
+from jaxserve.proto import generate_pb2 as pb
+from jaxserve.sampling_params import SamplingParams
+
+TEXT = "Hello there, general Kenobi! The café serves crème brûlée — 東京 😀."
+SERVER_MODULES = ["jaxserve.api.server", "jaxserve.api.generate_service",
+                  "jaxserve.api.completions", "jaxserve.api.prompts", "jaxserve.api.engine_client",
+                  "jaxserve.metrics", "jaxserve.launcher", "jaxserve.procutil",
+                  "jaxserve.engine.service", "jaxserve.engine.loop", "jaxserve.engine.grpc_worker",
+                  "jaxserve.proto.engine_convert", "jaxserve.commands.serve",
+                  "jaxserve.commands.demo", "jaxserve.commands.generate", "jaxserve.commands.chat"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(demo_model_dir):
+    from jaxserve.api.server import load_tokenizer
+
+    return load_tokenizer(str(demo_model_dir))
+
+
+def _outputs(ids, *, finish="length", logprobs=False):
+    for i, token in enumerate(ids):
+        last = i == len(ids) - 1
+        lp = [SampleLogprobs(-0.1 * i, 1, (token, 7), (-0.1 * i, -5.0))] if logprobs else None
+        yield EngineCoreOutput("r", 0, [token], lp, finish if last else None, None, 3, 0)
+
+
+def _run(tracker, outputs):
+    responses, aborted = [], []
+    for out in outputs:
+        got, abort = tracker.accept(out)
+        responses += got
+        if abort:
+            aborted.append(out.index)
+        if tracker.done:
+            break
+    return responses, aborted
+
+
+def test_streamed_responses_concatenate_to_the_decode(tokenizer):
+    ids = tokenizer.encode(TEXT)
+    tracker = RequestTracker("r", tokenizer, [1, 2, 3], SamplingParams(max_tokens=len(ids)),
+                             stream=True, arrival_time=0.0)
+    responses, aborted = _run(tracker, _outputs(ids))
+    assert "".join(r.text for r in responses) == tokenizer.decode(ids) == TEXT
+    assert [t for r in responses for t in r.token_ids] == ids
+    assert [r.HasField("finished") for r in responses] == [False] * (len(responses) - 1) + [True]
+    fin = responses[-1].finished
+    assert (fin.reason, fin.completion_tokens, fin.prompt_tokens) == (
+        pb.FINISH_REASON_LENGTH, len(ids), 3)
+    assert not aborted and tracker.done
+    assert any(r.token_ids and not r.text for r in responses)  # a split character held back
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_string_cuts_text_ids_and_logprobs_and_asks_for_an_abort(tokenizer, include):
+    ids = tokenizer.encode(TEXT)
+    stop = "ème br"  # starts inside a token, spans several
+    params = SamplingParams(max_tokens=len(ids), stop=[stop], logprobs=1,
+                            include_stop_str_in_output=include)
+    tracker = RequestTracker("r", tokenizer, [1, 2, 3], params, stream=False, arrival_time=0.0)
+    responses, aborted = _run(tracker, _outputs(ids, logprobs=True))
+    assert len(responses) == 1 and aborted == [0]
+    (r,) = responses
+    cut = TEXT.index(stop) + (len(stop) if include else 0)
+    assert r.text == TEXT[:cut]
+    n = len(r.token_ids)
+    assert r.token_ids == ids[:n] and stop in tokenizer.decode(ids[:n])
+    assert stop not in tokenizer.decode(ids[:n - 1])
+    assert len(r.logprobs) == n and r.logprobs[-1].top_token_ids == [ids[n - 1], 7]
+    assert (r.finished.reason, r.finished.stop_string) == (pb.FINISH_REASON_STOP, stop)
+
+
+def test_abort_finishes_every_completion(tokenizer):
+    ids = tokenizer.encode(TEXT)[:5]
+    tracker = RequestTracker("r", tokenizer, [1], SamplingParams(n=2, max_tokens=50),
+                             stream=True, arrival_time=0.0)
+    for out in _outputs(ids, finish=None):
+        tracker.accept(out)
+    responses = tracker.abort()
+    assert [r.index for r in responses] == [0, 1]
+    assert all(r.finished.reason == pb.FINISH_REASON_ABORT for r in responses)
+    assert responses[0].finished.completion_tokens == 5 and tracker.done
+
+
+def test_server_limits_match_the_sampler_and_name_the_field(tokenizer):
+    from jaxserve.worker.sampler.metadata import DEFAULT_BANNED_WIDTH, DEFAULT_LOGIT_BIAS_WIDTH
+
+    assert (MAX_LOGIT_BIAS, MAX_STOP_IDS) == (DEFAULT_LOGIT_BIAS_WIDTH, DEFAULT_BANNED_WIDTH)
+    prep = RequestPreparer(tokenizer, vocab_size=49152, max_model_len=64, eos_token_ids=[2],
+                           max_num_seqs=4)
+    ids = list(range(100, 100 + MAX_STOP_IDS))
+    prep.check_limits(SamplingParams(stop_token_ids=ids, ignore_eos=True))  # EOS not counted
+    prep.check_limits(SamplingParams(stop_token_ids=ids[:-1]))
+    prep.check_limits(SamplingParams(logit_bias={i: 1.0 for i in range(MAX_LOGIT_BIAS)}))
+    cases = [(SamplingParams(stop_token_ids=ids), "sampling_params.stop_token_ids"),
+             (SamplingParams(logit_bias={i: 1.0 for i in range(MAX_LOGIT_BIAS + 1)}),
+              "sampling_params.logit_bias"),
+             (SamplingParams(n=5), "sampling_params.n")]
+    for params, field in cases:
+        with pytest.raises(InvalidArgument) as err:
+            prep.check_limits(params)
+        assert err.value.field == field and str(err.value).startswith(field + ":")
+    with pytest.raises(Unsupported):
+        prep.check_limits(SamplingParams(prompt_logprobs=0))
+    request = pb.GenerateRequest(text="Hi", sampling_params=pb.SamplingParams(max_tokens=70))
+    with pytest.raises(InvalidArgument) as err:
+        prep.prepare(request)
+    assert err.value.field == "sampling_params.max_tokens"
+    request.sampling_params.ClearField("max_tokens")
+    prepared = prep.prepare(request)
+    assert prepared.prompt_token_ids == tokenizer.encode("Hi")
+    assert prepared.params.max_tokens == 64 - len(prepared.prompt_token_ids)
+
+
+def test_server_modules_and_the_tokenizer_never_import_jax(demo_model_dir):
+    code = ("import sys\n" + "".join(f"import {m}\n" for m in SERVER_MODULES)
+            + "from jaxserve.api.server import load_tokenizer\n"
+            + f"load_tokenizer({str(demo_model_dir)!r}).encode('hello')\n"
+            + "bad = sorted(m for m in sys.modules if m == 'jax' or m.startswith(('jax.', "
+              "'jaxlib', 'flax')))\n"
+            + "assert not bad, bad\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
