@@ -1,0 +1,92 @@
+"""KV cache sizing: explicit settings, the CPU budget, and device memory minus activations.
+
+Oracles: the arithmetic of the rule (limit x utilization - in use -
+activations) // bytes per block; ``kv_cache_bytes_per_block`` recomputed
+from the config (2 L K S H itemsize); and, for ``memory_analysis``, a
+function whose temporaries have a known lower bound. The automatic path of
+a GPU is exercised on CPU by reporting a device memory to the worker.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.model.loader import load_model
+from jaxserve.step_plan import WorkerInit
+from jaxserve.worker import InProcessWorker, in_process
+from jaxserve.worker.executables import LadderShapes, lower_body, lower_sampler
+from jaxserve.worker.kv_sizing import (DEFAULT_CPU_KV_CACHE_BYTES, DeviceMemory,
+                                       blocks_from_free_memory, num_kv_blocks,
+                                       peak_activation_bytes)
+from tests.model.hf_tiny import make_tiny_model
+
+MiB = 1 << 20
+
+
+def test_explicit_settings_take_precedence_and_cpu_has_a_budget():
+    kw = dict(bytes_per_block=3 * MiB, utilization=0.9,
+              activation_bytes=lambda: pytest.fail("must not compile"))
+    memory = DeviceMemory(80 << 30, 1 << 30)
+    assert num_kv_blocks(num_blocks=7, kv_cache_bytes=1 << 40, memory=memory, **kw) == 7
+    assert num_kv_blocks(num_blocks=None, kv_cache_bytes=100 * MiB, memory=memory, **kw) == 33
+    assert num_kv_blocks(num_blocks=None, kv_cache_bytes=None, memory=None,
+                         **kw) == DEFAULT_CPU_KV_CACHE_BYTES // (3 * MiB)
+
+
+def test_free_memory_rule():
+    memory = DeviceMemory(bytes_limit=1000 * MiB, bytes_in_use=300 * MiB)
+    # 1000 * 0.8 - 300 - 100 = 400 MiB -> 400 // 3 = 133 blocks of 3 MiB.
+    assert blocks_from_free_memory(memory, 100 * MiB, 0.8, 3 * MiB) == 133
+    assert num_kv_blocks(num_blocks=None, kv_cache_bytes=None, bytes_per_block=3 * MiB,
+                         memory=memory, utilization=0.8,
+                         activation_bytes=lambda: 100 * MiB) == 133
+    with pytest.raises(ValueError, match="no room for a KV cache"):
+        blocks_from_free_memory(memory, 495 * MiB, 0.8, 3 * MiB)
+    with pytest.raises(ValueError, match="memory_utilization"):
+        blocks_from_free_memory(memory, 0, 1.5, 3 * MiB)
+
+
+def test_peak_activation_bytes_reads_the_compilers_temporaries():
+    n = 512
+
+    def sorted_gram(x):  # the sorted [n, n] product is a temporary of n * n * 4 bytes
+        return jnp.sort(x @ x.T, axis=1)[:, -1]
+
+    small = jax.jit(lambda x: x + 1).lower(jax.ShapeDtypeStruct((n, 8), np.float32)).compile()
+    big = jax.jit(sorted_gram).lower(jax.ShapeDtypeStruct((n, 8), np.float32)).compile()
+    peak = peak_activation_bytes([small, big])
+    assert n * n * 4 <= peak < 4 * n * n * 4
+    assert peak == peak_activation_bytes([big])  # the max over executables, not the sum
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tiny_llama_kv")
+    make_tiny_model("LlamaForCausalLM", directory, seed=2)
+    return load_model(directory, "float32")
+
+
+def test_worker_sizes_its_cache_from_reported_device_memory(tiny, monkeypatch):
+    config = tiny[0]
+    memory = DeviceMemory(bytes_limit=256 * MiB, bytes_in_use=40 * MiB)
+    monkeypatch.setattr(in_process, "device_memory", lambda device: memory)
+    init = WorkerInit(model=None, dtype="float32", block_size=8, num_kv_blocks=None,
+                      kv_cache_bytes=None, max_num_seqs=4, max_model_len=128,
+                      token_buckets=(1, 8, 32), request_buckets=(1, 4), memory_utilization=0.5,
+                      precompile=False)
+    worker = InProcessWorker(tiny, progress=False)
+    geometry = worker.initialize(init)
+    per_block = 2 * config.num_layers * config.num_kv_heads * 8 * config.head_dim * 4
+    # The activations of the largest buckets, from the same lowerings, compiled here again.
+    kv = worker._kv_spec(2, jnp.float32)
+    hidden = jax.ShapeDtypeStruct((4, config.hidden_size), jnp.float32)
+    shapes = LadderShapes(worker.graphdef, worker.state, kv, worker.rows, hidden, worker.backend)
+    activations = peak_activation_bytes([lower_body(shapes, 32).compile(),
+                                         lower_sampler(shapes, 4).compile()])
+    assert activations > 0
+    want = (int(256 * MiB * 0.5) - 40 * MiB - activations) // per_block
+    assert geometry.num_kv_blocks == want
+    assert worker.kv_cache.num_blocks == want

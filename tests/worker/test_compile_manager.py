@@ -1,0 +1,127 @@
+"""Every executable compiled at start-up, none after: the compile manager and its guard.
+
+The oracle for "no compile" is JAX itself: ``jax.monitoring`` reports every
+XLA executable JAX obtains (compiled or loaded from the persistent cache),
+counted process-wide by ``compile_manager.COUNTER`` — so the 500-request run
+below passes only if not one step, on any thread, needed a new executable.
+The model is a tiny random-weight Llama (tests/model/hf_tiny.py); requests
+mix every sampling feature, n > 1, aborts, chunked prefill and preemption.
+"""
+
+from __future__ import annotations
+
+import random
+
+import jax
+import numpy as np
+import pytest
+
+from jaxserve.engine import CacheConfig, EngineConfig, EngineCore, EngineCoreRequest, SchedulerConfig
+from jaxserve.engine.config import CompileConfig
+from jaxserve.model.loader import load_model
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.step_plan import RecompileError
+from jaxserve.worker import InProcessWorker
+from jaxserve.worker.compile_manager import COUNTER, RecompileGuard
+from tests.model.hf_tiny import make_tiny_model
+
+VOCAB = 256
+T_LADDER, R_LADDER = (1, 4, 8, 16, 32, 64), (1, 2, 4, 8, 16)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tiny_llama_compile")
+    make_tiny_model("LlamaForCausalLM", directory, seed=9)
+    return load_model(directory, "float32")
+
+
+def _random_params(rng: random.Random, i: int) -> SamplingParams:
+    max_tokens = rng.randrange(1, 24)
+    return SamplingParams(
+        n=rng.choice([1, 1, 1, 2, 3]), temperature=rng.choice([0.0, 0.6, 1.0]),
+        top_k=rng.choice([0, 0, 7]), top_p=rng.choice([1.0, 0.8]), min_p=rng.choice([0.0, 0.1]),
+        seed=rng.choice([None, i]), repetition_penalty=rng.choice([1.0, 1.0, 1.3]),
+        presence_penalty=rng.choice([0.0, 0.5]), frequency_penalty=rng.choice([0.0, -0.3]),
+        logit_bias=rng.choice([None, {rng.randrange(VOCAB): 3.0}]),
+        logprobs=rng.choice([None, None, 0, 2, 20]), max_tokens=max_tokens,
+        min_tokens=rng.choice([0, min(2, max_tokens)]),
+        stop_token_ids=rng.choice([None, [rng.randrange(VOCAB)]]), ignore_eos=rng.random() < 0.5)
+
+
+def test_500_random_requests_compile_nothing_after_warm_up(tiny):
+    config = EngineConfig(
+        max_model_len=128, seed=3, async_scheduling=True,
+        scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=64,
+                                  token_buckets=T_LADDER, request_buckets=R_LADDER),
+        cache=CacheConfig(block_size=4, num_kv_blocks=160),
+        compile=CompileConfig(strict_recompile=True))
+    worker = InProcessWorker(tiny, progress=False)
+    engine = EngineCore(config, worker)
+    report = worker.compile_report
+    assert report.by_kind == {"body": len(T_LADDER), "sampler": len(R_LADDER),
+                              "penalty": 3 * len(R_LADDER) + 1}  # M = 16 is on the R ladder
+    # The step executables: |T| + |R|, well under the |T| x |R| bound.
+    assert report.by_kind["body"] + report.by_kind["sampler"] <= len(T_LADDER) * len(R_LADDER)
+    compiles_after_warm_up = COUNTER.compiles
+    rng = random.Random(500)
+    finished, submitted, step = set(), 0, 0
+    while submitted < 500 or engine.has_unfinished_requests():
+        if submitted < 500 and step % 3 == 0:
+            for _ in range(rng.randrange(1, 6)):
+                prompt = [rng.randrange(VOCAB) for _ in range(rng.randrange(1, 100))]
+                engine.add_request(EngineCoreRequest(f"r{submitted}", prompt,
+                                                     _random_params(rng, submitted)))
+                submitted += 1
+        if step % 17 == 5 and submitted:
+            engine.abort_requests([f"r{rng.randrange(submitted)}"])
+        for out in engine.step():
+            if out.finished:
+                finished.add((out.request_id, out.index))
+        step += 1
+    assert len(finished) > 500
+    assert COUNTER.compiles == compiles_after_warm_up  # not one executable, on any thread
+    assert worker.guard.num_recompiles == 0
+    stats = engine.stats()
+    assert stats.num_preemptions > 0 and stats.kv_blocks_used == 0
+    buckets = set(worker.executed_buckets)
+    assert {t for t, _ in buckets} == set(T_LADDER)  # every body was used
+    assert len({r for _, r in buckets} - {0}) >= len(R_LADDER) - 1  # and most samplers
+    engine.shutdown()
+
+
+def test_guard_raises_when_strict_and_counts_otherwise():
+    triple = jax.jit(lambda x: x * 3)
+
+    def compile_something(n):  # a new executable per new n (shape)
+        return triple(np.arange(n, dtype=np.float32))
+
+    strict, lenient = RecompileGuard(strict=True), RecompileGuard(strict=False)
+    with strict.watch("before arming"):
+        compile_something(3)  # warm-up compiles are fine
+    assert strict.num_recompiles == 0
+    strict.arm()
+    lenient.arm()
+    with pytest.raises(RecompileError, match="after warm-up"):
+        with strict.watch("step 7"):
+            compile_something(5)
+    with lenient.watch("step 8"):
+        compile_something(6)
+    with lenient.watch("step 9"):
+        compile_something(6)  # cached: no new executable
+    assert (strict.num_recompiles, lenient.num_recompiles) == (1, 1)
+
+
+def test_precompile_off_compiles_on_first_use(tiny):
+    config = EngineConfig(
+        max_model_len=64, scheduler=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=8,
+                                                    token_buckets=(1, 4, 8)),
+        cache=CacheConfig(block_size=4, num_kv_blocks=40),
+        compile=CompileConfig(precompile=False, strict_recompile=True))
+    worker = InProcessWorker(tiny, progress=False)
+    engine = EngineCore(config, worker)
+    assert worker.compile_report is None and not worker.guard.armed
+    engine.add_request(EngineCoreRequest("a", [1, 2, 3], SamplingParams(max_tokens=3)))
+    while engine.has_unfinished_requests():
+        engine.step()  # lazy compiles are allowed: the guard is not armed
+    assert worker.guard.num_recompiles == 0
