@@ -1,0 +1,96 @@
+"""Each benchmark end to end with tiny settings (``jaxserve bench <name>`` in a subprocess).
+
+The tiny random-weight Llama keeps compiles short; the checks are on the
+JSON each run writes, against independent facts (the workload's own token
+counts, the model's parameter count from PyTorch, the engine's step count).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks import BENCHMARKS
+from jaxserve import bench
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+ENGINE = ["--max-num-seqs", "4", "--max-num-batched-tokens", "64"]
+
+
+def run_bench(name: str, results: pathlib.Path, *args: str, timeout: float = 600) -> dict:
+    cmd = [sys.executable, "-m", "jaxserve", "bench", name, "--results", str(results), *args]
+    proc = subprocess.run(cmd, cwd=REPO, env=dict(os.environ), capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return json.loads((results / f"{name}.json").read_text())
+
+
+def test_cli_lists_every_benchmark():
+    assert tuple(bench.NAMES) == BENCHMARKS
+
+
+def test_offline_throughput(tiny_model_dir, tmp_path):
+    out = run_bench("offline_throughput", tmp_path, "--model", str(tiny_model_dir),
+                    "--num-requests", "3", "--input-range", "8", "40", "--output-range", "4", "12",
+                    "--hf-batch-size", "2", *ENGINE)
+    want = out["workload"]["output_tokens"]
+    jax_leg, hf_leg = out["legs"]["jaxserve"], out["legs"]["transformers"]
+    for leg in (jax_leg, hf_leg):
+        assert leg["output_tokens"] == want
+        assert leg["output_tokens_per_s"] == pytest.approx(want / leg["elapsed"])
+    assert hf_leg["computed_tokens"] >= want
+    assert out["ratios"]["jaxserve_over_transformers"] == pytest.approx(
+        jax_leg["output_tokens_per_s"] / hf_leg["output_tokens_per_s"])
+    assert jax_leg["compiles"] == 0  # the warm-up compiled everything the timed run needed
+    assert "error" in out["legs"]["vllm"] or "jaxserve_over_vllm" in out["ratios"]
+    assert (tmp_path / "offline_throughput.png").exists()
+
+
+def test_profile(tiny_model_dir, tmp_path):
+    out = run_bench("profile", tmp_path, "--model", str(tiny_model_dir), "--num-requests", "3",
+                    "--input-range", "8", "40", "--output-range", "4", "8", *ENGINE)
+    profile = out["profile"]
+    assert profile["categorized_by"] == "hlo dump"
+    assert profile["num_steps"] == out["jaxserve"]["steps"]  # one body execution per engine step
+    assert sum(profile["percent_of_wall"].values()) == pytest.approx(100, abs=0.1)
+    for category in ("attention", "matmul", "kv_write", "sampler", "host_gap"):
+        assert profile["totals_ms"][category] > 0, category
+    assert list(pathlib.Path(profile["trace"]).parent.glob("*.trace.json.gz"))
+
+
+def test_decode_roofline(tiny_model_dir, tmp_path):
+    import torch
+    import transformers
+
+    out = run_bench("decode_roofline", tmp_path, "--model", str(tiny_model_dir), "--steps", "8",
+                    "--warmup-steps", "2", "--bandwidth-mib", "64", "--bandwidth-reps", "3",
+                    *ENGINE)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    num_params = sum(p.numel() for p in model.parameters())
+    embed = model.get_input_embeddings().weight.numel()  # untied: gathered, not streamed
+    assert out["weights"]["num_params"] == num_params
+    assert out["weights"]["decode_bytes"] == 4 * (num_params - embed)
+    assert out["floor_ms"] == pytest.approx(
+        1e3 * out["weights"]["decode_bytes"] / (out["bandwidth"]["best_gb_s"] * 1e9))
+    assert 0 < out["roofline_ratio"] < 1.5
+    assert out["decode"]["steps"] == 8
+
+
+def test_serving_against_jaxserve_serve(tiny_model_dir, tmp_path):
+    out = run_bench("serving", tmp_path, "--model", str(tiny_model_dir), "--num-requests", "4",
+                    "--input-range", "8", "40", "--output-range", "4", "8", "--request-rate", "4",
+                    "--concurrency", "2", "--serve-args", " ".join(ENGINE))
+    names = [s["name"] for s in out["scenarios"]]
+    assert names == ["poisson@4/s", "max", "concurrency=2"]
+    for s in out["scenarios"]:
+        m = s["summary"]
+        assert m["failed"] == 0 and m["completed"] == s["num_requests"]
+        assert m["output_tokens"] == s["workload"]["output_tokens"]
+        assert m["ttft_ms"]["p50"] <= m["e2e_ms"]["p50"]
+    assert out["server"]["started_here"]
+    assert (tmp_path / "serving_latency_cdf.png").exists()
