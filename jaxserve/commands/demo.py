@@ -3,7 +3,7 @@
 The README's first command (``pip install -e . && jaxserve demo``). The demo
 model (SmolLM2-135M-Instruct) is built on first use. The answer goes to
 stdout, the servers' logs and the timings to stderr. Small engine limits
-(4 sequences, 64-token steps) keep the start-up compiles short.
+(1 sequence, 64-token steps) keep the start-up compiles short.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ DEFAULT_QUESTION = "What is the capital of France? Answer in one sentence."
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_server_arguments(parser)
-    parser.set_defaults(max_num_seqs=4, max_num_batched_tokens=64)
+    parser.set_defaults(max_num_seqs=1, max_num_batched_tokens=64)
     parser.add_argument("--port", type=int, default=0, help="gRPC port (default: a free one)")
     parser.add_argument("--question", default=DEFAULT_QUESTION, help="the user message to send")
     parser.add_argument("--max-tokens", type=int, default=64, help="most tokens in the answer")

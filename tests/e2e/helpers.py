@@ -21,8 +21,10 @@ from jaxserve.launcher import Launcher, ServeOptions
 from jaxserve.procutil import free_port
 
 READY_TIMEOUT_S = 900.0  # a cold compilation cache compiles every step executable
-# The demo command's engine limits: modules using them share its executables.
+# Small engine limits for modules that need few sequences at once.
 SMALL_ENGINE = ("--max-num-seqs", "4", "--max-num-batched-tokens", "64")
+# The demo command's limits (``jaxserve demo``): modules using them share its executables.
+DEMO_ENGINE = ("--max-num-seqs", "1", "--max-num-batched-tokens", "64")
 
 
 @contextlib.contextmanager

@@ -1,7 +1,7 @@
 """The real server refuses bad input, a full queue and late calls, and keeps serving.
 
-One server for the module (worker, engine, api processes; the demo command's
-limits: 4 sequences, 64-token steps, the model's 8192-token context) with a
+One server for the module (worker, engine, api processes; 4 sequences,
+64-token steps, the model's 8192-token context) with a
 waiting queue of 4 sequences, so at most 8 are in flight.
 
 - 30 bad requests, each answered with its documented status and a message

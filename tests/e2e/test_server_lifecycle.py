@@ -30,7 +30,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from jaxserve.client import Client, JaxServeError
 from jaxserve.procutil import free_port
-from tests.e2e.helpers import READY_TIMEOUT_S, SMALL_ENGINE, serve, wait_gone
+from tests.e2e.helpers import DEMO_ENGINE, READY_TIMEOUT_S, serve, wait_gone
 
 pytestmark = pytest.mark.slow
 
@@ -53,7 +53,7 @@ def _engine_health(address: str) -> int:
 
 
 def test_worker_death_fails_requests_and_reports_not_serving(demo_model_dir):
-    with serve(demo_model_dir) as launcher:
+    with serve(demo_model_dir, DEMO_ENGINE) as launcher:
         pids = [p.pid for p in launcher.processes.values()]
         with Client(launcher.address, timeout=60) as client:
             stream = client.stream("Tell me a long story.", **LONG)
@@ -78,7 +78,7 @@ def test_worker_death_fails_requests_and_reports_not_serving(demo_model_dir):
 def _start_cli(model_dir: pathlib.Path, command: str, *args: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "jaxserve.cli", "--log-level", "WARNING", command, "--model",
-         str(model_dir), *SMALL_ENGINE, *args],
+         str(model_dir), *DEMO_ENGINE, *args],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
