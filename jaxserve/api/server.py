@@ -30,7 +30,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from jaxserve.api.engine_client import EngineClient
+from jaxserve.api.engine_client import EngineClient, EngineError
 from jaxserve.api.generate_service import SERVICE_NAME, GenerateServicer, stats_refresher
 from jaxserve.api.prompts import RequestPreparer
 from jaxserve.metrics import ServerMetrics
@@ -194,7 +194,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             loop.add_signal_handler(sig, server.stop)
         await server.run()
 
-    asyncio.run(run())
+    try:
+        asyncio.run(run())
+    except (RuntimeError, EngineError) as err:  # cannot bind; the engine never answered
+        logger.error("api failed: %s", err)
+        return 1
     return 0
 
 
