@@ -7,6 +7,7 @@ where one exists (``vllm:`` becomes ``jaxserve_``):
 |---|---|---|
 | ``jaxserve_num_requests_waiting`` | gauge | sequences waiting in the engine |
 | ``jaxserve_num_requests_running`` | gauge | sequences running in the engine |
+| ``jaxserve_num_sequences_in_flight`` | gauge | sequences admitted by the api and not finished (the bound is ``max_num_seqs + max_waiting_requests``) |
 | ``jaxserve_kv_cache_usage_perc`` | gauge | KV blocks held by running sequences / all blocks (0..1) |
 | ``jaxserve_prefix_cache_hit_rate`` | gauge | prompt tokens found in the prefix cache / looked up, since start (0..1) |
 | ``jaxserve_time_to_first_token_seconds`` | histogram | arrival at the api -> first generated token |
@@ -41,10 +42,15 @@ E2E_BUCKETS = (0.1, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.
 class _EngineStatsCollector(Collector):
     """Gauges from the engine's latest stats (nothing before the first snapshot)."""
 
-    def __init__(self, get_stats: Callable[[], EngineStats | None]) -> None:
+    def __init__(self, get_stats: Callable[[], EngineStats | None],
+                 get_in_flight: Callable[[], int]) -> None:
         self._get_stats = get_stats
+        self._get_in_flight = get_in_flight
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
+        yield GaugeMetricFamily("jaxserve_num_sequences_in_flight",
+                                "Sequences admitted by the api and not finished.",
+                                value=self._get_in_flight())
         stats = self._get_stats()
         if stats is None:
             return
@@ -66,9 +72,11 @@ class ServerMetrics:
 
     Args:
       get_stats: returns the engine's latest ``EngineStats`` (or None).
+      get_in_flight: returns the sequences the api has admitted and not finished.
     """
 
-    def __init__(self, get_stats: Callable[[], EngineStats | None]) -> None:
+    def __init__(self, get_stats: Callable[[], EngineStats | None],
+                 get_in_flight: Callable[[], int] = lambda: 0) -> None:
         self.registry = CollectorRegistry()
         reg = self.registry
         self.ttft = Histogram("jaxserve_time_to_first_token_seconds",
@@ -88,7 +96,7 @@ class ServerMetrics:
                                 ["finished_reason"], registry=reg)
         self.rejected = Counter("jaxserve_requests_rejected", "Requests refused.", ["code"],
                                 registry=reg)
-        reg.register(_EngineStatsCollector(get_stats))
+        reg.register(_EngineStatsCollector(get_stats, get_in_flight))
 
     def serve(self, port: int, host: str = "0.0.0.0") -> None:
         """Serves ``/metrics`` over HTTP on a daemon thread."""

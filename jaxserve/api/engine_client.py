@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable
 
 import grpc
 
-from jaxserve.engine.messages import EngineCoreOutput, EngineCoreRequest, EngineStats
+from jaxserve.engine.messages import EngineCoreRequest, EngineStats
 from jaxserve.proto import engine_pb2 as epb
 from jaxserve.proto import engine_pb2_grpc as epb_grpc
 from jaxserve.proto.engine_convert import output_from_proto, request_to_proto, stats_from_proto

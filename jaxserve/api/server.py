@@ -62,7 +62,9 @@ class ApiServer:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.engine = EngineClient(args.engine_address)
-        self.metrics = ServerMetrics(lambda: self.engine.latest_stats)
+        self.metrics = ServerMetrics(
+            lambda: self.engine.latest_stats,
+            lambda: self.servicer.num_pending_seqs if self.servicer is not None else 0)
         self.health = health.aio.HealthServicer()
         self.servicer: GenerateServicer | None = None
         self._stopped = asyncio.Event()

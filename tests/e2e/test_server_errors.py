@@ -187,11 +187,20 @@ def test_duplicate_running_request_id_is_refused(client, stub):
     assert wait_all_blocks_free(client)[0] == client.model_info().num_kv_blocks_total
 
 
-def test_full_queue_is_resource_exhausted_and_cancelled_calls_free_blocks(client, stub):
+def _wait_in_flight(port: int, count: int, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if _scrape(port)["jaxserve_num_sequences_in_flight"][()] == count:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"never {count} sequences in flight")
+
+
+def test_full_queue_is_resource_exhausted_and_cancelled_calls_free_blocks(server, client, stub):
     calls = _start_long_streams(stub, MAX_NUM_SEQS + MAX_WAITING)
     try:
         _wait_first_responses(calls, MAX_NUM_SEQS)  # the running ones have produced a token
-        time.sleep(1.0)  # the waiting ones were admitted on arrival
+        _wait_in_flight(server.metrics_port, MAX_NUM_SEQS + MAX_WAITING)  # all admitted
         info = client.model_info()
         assert info.num_kv_blocks_free < info.num_kv_blocks_total
         with pytest.raises(JaxServeError) as err:
@@ -277,5 +286,6 @@ def test_prometheus_metrics(server, client):
     assert total(after, "jaxserve_requests_rejected_total", [("code", "INVALID_ARGUMENT")]) >= 1
     assert 0.0 <= total(after, "jaxserve_kv_cache_usage_perc") <= 1.0
     assert 0.0 <= total(after, "jaxserve_prefix_cache_hit_rate") <= 1.0
-    for name in ("jaxserve_num_requests_waiting", "jaxserve_num_requests_running"):
+    for name in ("jaxserve_num_requests_waiting", "jaxserve_num_requests_running",
+                 "jaxserve_num_sequences_in_flight"):
         assert name in after and total(after, name) == 0.0
