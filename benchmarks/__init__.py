@@ -3,10 +3,10 @@
 - ``offline_throughput``: ``jaxserve.LLM`` against transformers' ``generate``
   (and vLLM when a vLLM Python is given) on the same prompts;
 - ``serving``: a Poisson / max-concurrency load generator against a server;
-- ``profile``: where the time of each engine step goes, from a JAX profiler trace;
+- ``step_profile``: where the time of each engine step goes, from a JAX profiler trace;
 - ``decode_roofline``: batch-1 decode step time against the weight-streaming floor.
 
 See docs/benchmarks.md. ``kernels/`` and ``sampler_bench.py`` are micro-benchmarks.
 """
 
-BENCHMARKS = ("offline_throughput", "serving", "profile", "decode_roofline")
+BENCHMARKS = ("offline_throughput", "serving", "step_profile", "decode_roofline")

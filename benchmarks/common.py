@@ -50,6 +50,20 @@ def resolve_model(model: str | None) -> pathlib.Path:
     return pathlib.Path(resolve_model_path(model))
 
 
+def use_compilation_cache() -> None:
+    """Defaults JAX's persistent compilation cache to ``$JAXSERVE_CACHE/jax_cache``.
+
+    The same default as ``jaxserve serve`` (``jaxserve.launcher``): a second
+    run loads the step executables instead of compiling them. Call before jax
+    starts; an explicit ``JAX_COMPILATION_CACHE_DIR`` wins.
+    """
+    from jaxserve.demo_model import cache_root
+
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(cache_root() / "jax_cache"))
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
+
 def load_average() -> tuple[float, float, float]:
     """The 1, 5 and 15 minute load averages (the machine is shared: quote them with numbers)."""
     try:
@@ -88,7 +102,7 @@ def percentiles(values: Sequence[float], qs: Sequence[int] = (50, 90, 99)) -> di
 
 
 def write_json(results_dir: str | os.PathLike, name: str, payload: dict[str, Any]) -> pathlib.Path:
-    """Writes ``payload`` to ``<results_dir>/<name>.json`` (creating the folder); returns the path."""
+    """Writes ``payload`` to ``<results_dir>/<name>.json`` (folder created); returns the path."""
     path = pathlib.Path(results_dir)
     path.mkdir(parents=True, exist_ok=True)
     out = path / f"{name}.json"

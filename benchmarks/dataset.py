@@ -30,7 +30,8 @@ class Workload:
 
     def __post_init__(self) -> None:
         if len(self.prompts) != len(self.output_lens):
-            raise ValueError(f"{len(self.prompts)} prompts but {len(self.output_lens)} output lengths")
+            raise ValueError(f"{len(self.prompts)} prompts but {len(self.output_lens)} "
+                             "output lengths")
 
     def __len__(self) -> int:
         return len(self.prompts)

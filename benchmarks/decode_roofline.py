@@ -177,6 +177,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         from benchmarks import profiling
 
         profiling.prepare_process()
+    else:
+        common.use_compilation_cache()
     from benchmarks import jaxserve_leg
 
     model_dir = str(common.resolve_model(args.model))
@@ -233,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     path = common.write_json(args.results, NAME, result)
     from benchmarks import plots
 
-    png = plots.bars({"floor": result["floor_ms"], "decode step": result["decode"]["step_ms"]["median"]},
+    png = plots.bars({"floor": result["floor_ms"],
+                      "decode step": result["decode"]["step_ms"]["median"]},
                      pathlib.Path(args.results) / f"{NAME}.png",
                      f"batch-1 decode: ratio {result['roofline_ratio']:.2f}", "ms per token")
     print(report(result))

@@ -1,6 +1,7 @@
 """The Hugging Face transformers leg: the same prompts through ``model.generate``.
 
-Batched and left-padded, greedy, float32 on the CPU (PyTorch). Requests are
+Batched and left-padded, greedy, float32 on the CPU by default (PyTorch;
+``dtype`` and ``device`` change that). Requests are
 sorted by output length (longest first) and cut into batches of
 ``batch_size``; each batch generates to its longest request's length with
 ``min_new_tokens`` = ``max_new_tokens`` (so EOS never ends it early, like
@@ -35,7 +36,7 @@ def batches(workload: Workload, batch_size: int) -> list[list[int]]:
     return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
 
 
-def _pad_left(prompts: list[tuple[int, ...]], pad_id: int):
+def _pad_left(prompts: list[tuple[int, ...]], pad_id: int, device: str):
     import torch
 
     width = max(len(p) for p in prompts)
@@ -44,11 +45,12 @@ def _pad_left(prompts: list[tuple[int, ...]], pad_id: int):
     for row, prompt in enumerate(prompts):
         ids[row, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
         mask[row, width - len(prompt):] = 1
-    return ids, mask
+    return ids.to(device), mask.to(device)
 
 
-def run(workload: Workload, *, model_dir: str, batch_size: int = 16) -> dict[str, Any]:
-    """Loads the model in float32 and generates the workload; see the module docstring.
+def run(workload: Workload, *, model_dir: str, batch_size: int = 16, dtype: str = "float32",
+        device: str = "cpu") -> dict[str, Any]:
+    """Loads the model (``dtype``, on ``device``) and generates the workload (module docstring).
 
     Returns elapsed seconds (generation only), ``output_tokens`` (the
     requests' own), ``computed_tokens`` (including the batch-padding tail),
@@ -60,7 +62,7 @@ def run(workload: Workload, *, model_dir: str, batch_size: int = 16) -> dict[str
 
     start = time.perf_counter()
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32).eval()
+        model_dir, dtype=getattr(torch, dtype)).to(device).eval()
     load = time.perf_counter() - start
     config = model.generation_config
     eos = config.eos_token_id
@@ -68,7 +70,7 @@ def run(workload: Workload, *, model_dir: str, batch_size: int = 16) -> dict[str
         eos[0] if isinstance(eos, list) else eos) or 0
     groups = batches(workload, batch_size)
     with torch.inference_mode():  # warm-up: first-call overheads, one short batch
-        ids, mask = _pad_left([workload.prompts[i] for i in groups[-1]], pad_id)
+        ids, mask = _pad_left([workload.prompts[i] for i in groups[-1]], pad_id, device)
         model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, min_new_tokens=2,
                        do_sample=False, pad_token_id=pad_id)
     computed = 0
@@ -76,7 +78,7 @@ def run(workload: Workload, *, model_dir: str, batch_size: int = 16) -> dict[str
     start = time.perf_counter()
     with torch.inference_mode():
         for group in groups:
-            ids, mask = _pad_left([workload.prompts[i] for i in group], pad_id)
+            ids, mask = _pad_left([workload.prompts[i] for i in group], pad_id, device)
             new = max(workload.output_lens[i] for i in group)
             out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new,
                                  min_new_tokens=new, do_sample=False, pad_token_id=pad_id)
@@ -92,7 +94,8 @@ def run(workload: Workload, *, model_dir: str, batch_size: int = 16) -> dict[str
             "computed_tokens": computed, "output_tokens_per_s": generated / elapsed,
             "computed_tokens_per_s": computed / elapsed,
             "total_tokens_per_s": (generated + workload.num_prompt_tokens) / elapsed,
-            "batch_size": batch_size, "num_batches": len(groups),
+            "batch_size": batch_size, "num_batches": len(groups), "dtype": dtype,
+            "device": device,
             "torch_threads": torch.get_num_threads(), "transformers": transformers.__version__,
             "torch": torch.__version__,
             "batching": "sorted by output length, generate to the batch's longest, "

@@ -64,7 +64,7 @@ class Instruction:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class HloModule:
-    """One optimized module: its name, T (``input_ids`` length, if any) and instruction categories."""
+    """One optimized module: name, T (``input_ids`` length, if any), instruction categories."""
 
     name: str
     num_tokens: int | None
@@ -102,7 +102,8 @@ def _frames(tables: dict[str, dict[int, str]]) -> dict[int, tuple[str, str]]:
     return frames
 
 
-def parse(text: str) -> tuple[str, dict[str, list[Instruction]], dict[str, Instruction], int | None]:
+def parse(text: str) -> tuple[str, dict[str, list[Instruction]], dict[str, Instruction],
+                             int | None]:
     """(module name, computation -> instructions, instruction name -> instruction, T or None)."""
     lines = text.splitlines()
     header = lines[0] if lines else ""
@@ -219,6 +220,10 @@ def load_module(path: str | pathlib.Path) -> HloModule:
 
 
 def load_dump(directory: str | pathlib.Path) -> list[HloModule]:
-    """Every optimized module in an ``--xla_dump_to`` folder (in dump order)."""
-    paths = sorted(pathlib.Path(directory).glob("*.cpu_after_optimizations.txt"))
+    """Every optimized module in an ``--xla_dump_to`` folder (in dump order).
+
+    CPU dumps end ``.cpu_after_optimizations.txt``, GPU ones e.g.
+    ``.sm_9.0_gpu_after_optimizations.txt``.
+    """
+    paths = sorted(pathlib.Path(directory).glob("*after_optimizations.txt"))
     return [load_module(p) for p in paths]

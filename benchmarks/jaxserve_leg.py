@@ -31,6 +31,7 @@ class EngineOptions:
     kv_cache_bytes: int = 1 << 30
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
+    dtype: str = "float32"
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -43,7 +44,7 @@ def make_llm(model: str | None, tokenizer: str | None, options: EngineOptions):
                max_num_batched_tokens=options.max_num_batched_tokens,
                block_size=options.block_size, kv_cache_bytes=options.kv_cache_bytes,
                max_model_len=options.max_model_len,
-               enable_prefix_caching=options.enable_prefix_caching)
+               enable_prefix_caching=options.enable_prefix_caching, dtype=options.dtype)
 
 
 def warm_up(llm, workload: Workload, seed: int) -> float:

@@ -3,10 +3,15 @@
 Run: ``jaxserve bench offline_throughput [--num-requests N] [--vllm-python PATH]
 [--profile DIR]`` (or ``python -m benchmarks.offline_throughput``).
 
+The defaults (16 requests, prompts 32–512, outputs 32–128 tokens) fit the
+10-minute budget on the 2-core CPU, where transformers' leg is the slow
+one; ``--input-range 32 1024 --output-range 32 512`` is the full mix.
+
 N requests with ShareGPT-like lengths from a fixed seed (``benchmarks.dataset``;
 ``--input-len`` / ``--output-len`` fix them instead) go through each engine,
-greedy, float32, every request generating exactly its output length. Each
-leg loads its engine, warms up, then times the generation alone. Reported:
+greedy, float32 (``--dtype``), every request generating exactly its output
+length. Each leg loads its engine, warms up, then times the generation
+alone. Reported:
 output tokens/s of each engine and jaxserve's ratio to each (> 1: jaxserve
 is faster). The transformers leg batches statically (``benchmarks.hf_leg``
 says how); the vLLM leg runs in vLLM's own venv (``benchmarks.vllm_leg``).
@@ -34,18 +39,23 @@ NAME = "offline_throughput"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     common.add_common_arguments(parser)
-    parser.add_argument("--num-requests", type=int, default=32, help="requests (default 32)")
-    parser.add_argument("--input-range", type=int, nargs=2, default=(32, 1024),
-                        metavar=("MIN", "MAX"), help="prompt lengths (default 32 1024)")
-    parser.add_argument("--output-range", type=int, nargs=2, default=(32, 256),
-                        metavar=("MIN", "MAX"), help="output lengths (default 32 256)")
+    parser.add_argument("--num-requests", type=int, default=16, help="requests (default 16)")
+    parser.add_argument("--input-range", type=int, nargs=2, default=(32, 512),
+                        metavar=("MIN", "MAX"),
+                        help="prompt lengths (default 32 512; the full ShareGPT-like mix: 32 1024)")
+    parser.add_argument("--output-range", type=int, nargs=2, default=(32, 128),
+                        metavar=("MIN", "MAX"),
+                        help="output lengths (default 32 128; the full mix: 32 512)")
     parser.add_argument("--input-len", type=int, default=None,
                         help="fixed prompt length (with --output-len; overrides the ranges)")
     parser.add_argument("--output-len", type=int, default=None, help="fixed output length")
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="parameter dtype of every leg (default float32)")
     parser.add_argument("--hf-batch-size", type=int, default=16,
                         help="transformers' static batch size (default 16)")
+    parser.add_argument("--hf-device", default="cpu", help="torch device of transformers' leg")
     parser.add_argument("--skip-hf", action="store_true", help="no transformers leg")
     parser.add_argument("--vllm-python", default=None,
                         help="Python of a venv with vllm(-cpu) installed: run the vLLM leg there")
@@ -75,14 +85,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.profile:
         from benchmarks import profiling
 
-        profiling.prepare_process()  # before jax starts its backend
+        profiling.prepare_process()
+    else:
+        common.use_compilation_cache()  # before jax starts its backend
     from benchmarks import jaxserve_leg
 
     model_dir = str(common.resolve_model(args.model))
     workload = make_workload(args, vocab_size(model_dir))
     logger.info("workload: %s", workload.summary())
     options = jaxserve_leg.EngineOptions(max_num_seqs=args.max_num_seqs,
-                                         max_num_batched_tokens=args.max_num_batched_tokens)
+                                         max_num_batched_tokens=args.max_num_batched_tokens,
+                                         dtype=args.dtype)
     load_before = common.load_average()
     legs: dict[str, Any] = {"jaxserve": jaxserve_leg.run(
         workload, model=model_dir, tokenizer=args.tokenizer, options=options, seed=args.seed,
@@ -91,7 +104,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         from benchmarks import hf_leg
 
         legs["transformers"] = hf_leg.run(workload, model_dir=model_dir,
-                                          batch_size=args.hf_batch_size)
+                                          batch_size=args.hf_batch_size, dtype=args.dtype,
+                                          device=args.hf_device)
     from benchmarks import vllm_leg
 
     python = vllm_leg.find_python(args.vllm_python)
@@ -100,7 +114,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     else:
         legs["vllm"] = vllm_leg.run(workload, model_dir=model_dir, python=python,
                                     max_num_seqs=args.max_num_seqs,
-                                    max_num_batched_tokens=args.max_num_batched_tokens)
+                                    max_num_batched_tokens=args.max_num_batched_tokens,
+                                    dtype=args.dtype)
     jax_tps = legs["jaxserve"]["output_tokens_per_s"]
     ratios = {f"jaxserve_over_{name}": jax_tps / leg["output_tokens_per_s"]
               for name, leg in legs.items() if name != "jaxserve" and "error" not in leg}

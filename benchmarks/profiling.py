@@ -118,7 +118,8 @@ def profiled(directory: str | os.PathLike) -> Iterator[Session]:
         time.sleep(0.01)  # let the last op events land inside the trace
 
 
-def read_xplane(path: str | os.PathLike) -> tuple[list[trace_analysis.OpEvent], tuple[int, int], int]:
+def read_xplane(path: str | os.PathLike
+                ) -> tuple[list[trace_analysis.OpEvent], tuple[int, int], int]:
     """(XLA op events, the window (ns), ns spent compiling inside it) from an ``.xplane.pb``.
 
     Raises:

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -34,10 +35,15 @@ def find_python(vllm_python: str | None) -> str | None:
 
 
 def run(workload: Workload, *, model_dir: str, python: str, max_num_seqs: int,
-        max_num_batched_tokens: int, timeout: float = 1800.0) -> dict[str, Any]:
+        max_num_batched_tokens: int, dtype: str = "float32",
+        timeout: float = 1800.0) -> dict[str, Any]:
     """Runs the workload under vLLM; returns its result or ``{"error": why}``."""
     with tempfile.TemporaryDirectory(prefix="jaxserve-vllm-") as tmp:
         spec, out = pathlib.Path(tmp, "workload.json"), pathlib.Path(tmp, "result.json")
+        # Run a copy: a script's folder leads sys.path, and nothing of ours may shadow
+        # a module vLLM or torch imports.
+        runner = pathlib.Path(tmp, RUNNER.name)
+        shutil.copy(RUNNER, runner)
         spec.write_text(json.dumps({"prompts": [list(p) for p in workload.prompts],
                                     "output_lens": list(workload.output_lens)}))
         env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
@@ -46,9 +52,9 @@ def run(workload: Workload, *, model_dir: str, python: str, max_num_seqs: int,
         # shares both cores with its device work, so let vLLM's do the same.
         env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
         env.pop("PYTHONPATH", None)
-        cmd = [python, str(RUNNER), "--model", model_dir, "--workload", str(spec),
+        cmd = [python, str(runner), "--model", model_dir, "--workload", str(spec),
                "--out", str(out), "--max-num-seqs", str(max_num_seqs),
-               "--max-num-batched-tokens", str(max_num_batched_tokens)]
+               "--max-num-batched-tokens", str(max_num_batched_tokens), "--dtype", dtype]
         logger.info("vLLM: %s", " ".join(cmd))
         try:
             proc = subprocess.run(cmd, env=env, timeout=timeout, stdout=subprocess.PIPE,

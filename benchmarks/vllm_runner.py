@@ -5,7 +5,7 @@ A plain script with no jaxserve imports: it runs under another Python
 environment (vLLM brings its own torch). IN.json holds ``prompts`` (token
 ids) and ``output_lens``; OUT.json gets ``elapsed``, ``output_tokens`` and
 the vLLM version. Warm-up: the same prompt lengths with 2 output tokens.
-Greedy, ``ignore_eos``, float32, like the other legs.
+Greedy, ``ignore_eos``, float32 unless ``--dtype``, like the other legs.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--dtype", default="float32")
     args = parser.parse_args()
     with open(args.workload) as f:
         workload = json.load(f)
@@ -33,7 +34,7 @@ def main() -> None:
 
     max_len = max(len(p) + n for p, n in zip(prompts, output_lens)) + 16
     start = time.perf_counter()
-    llm = LLM(model=args.model, dtype="float32", max_model_len=max_len, seed=0,
+    llm = LLM(model=args.model, dtype=args.dtype, max_model_len=max_len, seed=0,
               max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=max(args.max_num_batched_tokens, max_len))
     load = time.perf_counter() - start

@@ -51,8 +51,8 @@ def test_offline_throughput(tiny_model_dir, tmp_path):
     assert (tmp_path / "offline_throughput.png").exists()
 
 
-def test_profile(tiny_model_dir, tmp_path):
-    out = run_bench("profile", tmp_path, "--model", str(tiny_model_dir), "--num-requests", "3",
+def test_step_profile(tiny_model_dir, tmp_path):
+    out = run_bench("step_profile", tmp_path, "--model", str(tiny_model_dir), "--num-requests", "3",
                     "--input-range", "8", "40", "--output-range", "4", "8", *ENGINE)
     profile = out["profile"]
     assert profile["categorized_by"] == "hlo dump"

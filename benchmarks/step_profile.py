@@ -1,7 +1,8 @@
 """Where the time of each engine step goes: a profiled offline run of ``jaxserve.LLM``.
 
-Run: ``jaxserve bench profile [--profile DIR] [--num-requests N]`` (or
-``python -m benchmarks.profile``).
+Run: ``jaxserve bench step_profile [--profile DIR] [--num-requests N]`` (or
+``python -m benchmarks.step_profile``). (Not ``profile``: a module of that
+name in a folder on ``sys.path`` would shadow the standard library's.)
 
 A ShareGPT-like workload (smaller than ``offline_throughput``'s) runs once to
 warm up and once inside ``jax.profiler.trace``; the trace is then read back
@@ -11,8 +12,8 @@ work, idle time inside executables and host gaps (no executable running),
 as milliseconds per step and as percentages of the window's wall time.
 The same analysis runs on ``offline_throughput --profile DIR``.
 
-Writes ``<results>/profile.json`` (every step) and the trace under DIR
-(default ``<results>/profile_trace``; open it with XProf / TensorBoard, or
+Writes ``<results>/step_profile.json`` (every step) and the trace under DIR
+(default ``<results>/step_profile_trace``; open it with XProf / TensorBoard, or
 ``*.trace.json.gz`` with Perfetto).
 """
 
@@ -28,13 +29,13 @@ from benchmarks import common, offline_throughput
 
 logger = logging.getLogger(__name__)
 
-NAME = "profile"
+NAME = "step_profile"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     common.add_common_arguments(parser)
     parser.add_argument("--profile", default=None, metavar="DIR",
-                        help="trace folder (default <results>/profile_trace)")
+                        help="trace folder (default <results>/step_profile_trace)")
     parser.add_argument("--num-requests", type=int, default=16, help="requests (default 16)")
     parser.add_argument("--input-range", type=int, nargs=2, default=(32, 512),
                         metavar=("MIN", "MAX"), help="prompt lengths (default 32 512)")
@@ -52,7 +53,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     profiling.prepare_process()
     from benchmarks import jaxserve_leg
 
-    trace_dir = args.profile or str(pathlib.Path(args.results) / "profile_trace")
+    trace_dir = args.profile or str(pathlib.Path(args.results) / f"{NAME}_trace")
     model_dir = str(common.resolve_model(args.model))
     workload = offline_throughput.make_workload(args, offline_throughput.vocab_size(model_dir))
     options = jaxserve_leg.EngineOptions(max_num_seqs=args.max_num_seqs,
