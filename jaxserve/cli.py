@@ -20,7 +20,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
              "serve the demo model, stream one chat answer through the client, shut down"),
     "generate": ("jaxserve.commands.generate", "stream a completion from a running server"),
     "chat": ("jaxserve.commands.chat", "chat with a running server"),
-    "bench": ("jaxserve.bench", "run a benchmark: offline_throughput, serving, step_profile, decode_roofline"),
+    "bench": ("jaxserve.bench", "run a benchmark (offline_throughput, serving, step_profile, ...)"),
 }
 
 
