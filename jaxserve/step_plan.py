@@ -270,13 +270,22 @@ class RecompileError(RuntimeError):
 
 
 class Worker(Protocol):
-    """The worker interface: in process now (``InProcessWorker``), over gRPC later."""
+    """The worker interface: ``InProcessWorker`` (same process), ``GrpcWorker`` (a worker process).
+
+    Plans are executed in step order, one at a time. A worker may also offer
+    ``submit(plan) -> concurrent.futures.Future[StepResult]`` (``GrpcWorker``
+    does): ``execute`` without waiting, used by async scheduling to send
+    step N + 1 while step N runs.
+    """
 
     def initialize(self, init: WorkerInit) -> Geometry:
         """Loads the model and allocates the KV cache and the rows."""
 
     def execute(self, plan: StepPlan) -> StepResult:
-        """Applies the plan's row diffs, runs the step, returns the sampled tokens."""
+        """Applies the plan's row diffs, runs the step, returns the sampled tokens.
+
+        A remote worker raises ``WorkerDiedError`` when it is gone.
+        """
 
     def shutdown(self) -> None:
         """Releases the device state."""

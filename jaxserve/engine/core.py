@@ -12,9 +12,12 @@ engine's code does not change between them.
     schedule() → build_plan() → worker.execute(plan) → update() → outputs
 
 **Asynchronous** (``async_scheduling=True``, DESIGN.md "The step plan"): the
-worker runs on a helper thread and the engine plans step N + 1 while step N
-runs, so scheduling, plan building, the RPC hop and the caller's output
-handling overlap the device instead of sitting between steps::
+engine plans and sends step N + 1 while step N runs — through the worker's
+``submit(plan) -> Future`` where it has one (``GrpcWorker``: the worker
+process receives step N + 1 during step N and runs it right after), else
+by calling ``execute`` on a helper thread — so scheduling, plan building,
+the RPC hop and the caller's output handling overlap the device instead of
+sitting between steps::
 
     step():  [submit step N if none is in flight]
              schedule + build + submit step N + 1   (step N still running)
@@ -192,10 +195,14 @@ class EngineCore:
         return scheduled, plan
 
     def _submit(self, planned: tuple[ScheduledStep, StepPlan] | None) -> _InFlight | None:
+        """Starts a step: ``worker.submit`` where the worker has it, else on the helper thread."""
         if planned is None:
             return None
         scheduled, plan = planned
-        return _InFlight(scheduled, plan, self._executor.submit(self.worker.execute, plan))
+        submit = getattr(self.worker, "submit", None)
+        future = submit(plan) if submit is not None else self._executor.submit(
+            self.worker.execute, plan)
+        return _InFlight(scheduled, plan, future)
 
     def _add_placeholders(self, scheduled: ScheduledStep) -> list[tuple[Request, bool]]:
         """Appends a placeholder to each sequence whose token is in flight and that may go on.

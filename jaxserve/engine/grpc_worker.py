@@ -9,6 +9,11 @@ The engine's code is the same as with ``InProcessWorker``; plans and
 results cross the wire as ``proto/jaxserve/worker.proto`` messages
 (``jaxserve.plan_codec``: arrays as raw little-endian bytes).
 
+``submit(plan)`` is ``execute`` without waiting (a future): with async
+scheduling the engine sends step N + 1 while step N runs, so the RPC hop
+and the plan's decoding overlap the device too; the worker runs plans in
+step-id order whatever order their calls arrive in.
+
 Worker death: a killed or crashed worker closes its connection, so the call
 in flight fails at once (UNAVAILABLE) and ``execute`` / ``initialize`` raise
 ``WorkerDiedError`` naming the address (and the process's exit status when
@@ -22,6 +27,7 @@ the engine too.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import os
@@ -122,16 +128,37 @@ class GrpcWorker:
           ValueError: the worker refused the plan.
           RuntimeError: the step failed in the worker.
         """
+        return self.submit(plan).result()
+
+    def submit(self, plan: StepPlan) -> concurrent.futures.Future:
+        """Sends one plan now; the future's result is its ``StepResult``.
+
+        Plans must be submitted in step order. The future raises what
+        ``execute`` raises.
+        """
         self._check_alive()
         request = plan_codec.plan_to_proto(plan)
         size = request.ByteSize()
-        msg = self._call(f"step {plan.step_id}", self._stub.Execute, request, self.step_timeout)
         w = self.wire
         w.plans += 1
         w.plan_bytes += size
         w.last_plan_bytes = size
-        w.result_bytes += msg.ByteSize()
-        return plan_codec.result_from_proto(msg)
+        what = f"step {plan.step_id}"
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        call = self._stub.Execute.future(request, timeout=self.step_timeout)
+
+        def finish(call: grpc.Future) -> None:
+            try:
+                msg = call.result()
+                w.result_bytes += msg.ByteSize()
+                done.set_result(plan_codec.result_from_proto(msg))
+            except grpc.RpcError as err:
+                done.set_exception(self._error(what, err))
+            except Exception as err:  # noqa: BLE001 - handed to the waiter
+                done.set_exception(err)
+
+        call.add_done_callback(finish)
+        return done
 
     def shutdown(self) -> None:
         """Asks the worker process to release the device and exit; closes the channel.
@@ -180,12 +207,16 @@ class GrpcWorker:
         try:
             return method(request, timeout=timeout)
         except grpc.RpcError as err:
-            code, details = err.code(), err.details()
-            if code == grpc.StatusCode.INVALID_ARGUMENT:
-                raise ValueError(details) from None
-            if code in _DEATH_CODES:
-                raise self._died(f"{what} failed: {code.name}: {details}") from None
-            raise RuntimeError(f"worker at {self.address}: {details} ({code.name})") from None
+            raise self._error(what, err) from None
+
+    def _error(self, what: str, err: grpc.RpcError) -> Exception:
+        """The exception for a failed call (see the module docstring)."""
+        code, details = err.code(), err.details()
+        if code == grpc.StatusCode.INVALID_ARGUMENT:
+            return ValueError(details)
+        if code in _DEATH_CODES:
+            return self._died(f"{what} failed: {code.name}: {details}")
+        return RuntimeError(f"worker at {self.address}: {details} ({code.name})")
 
     def _died(self, why: str) -> WorkerDiedError:
         exit_note = ""

@@ -13,7 +13,11 @@ Life cycle (proto/jaxserve/worker.proto documents the service):
    loaded from the persistent cache — the slow part; the standard
    ``grpc.health.v1`` service reports NOT_SERVING until it is done, then
    SERVING (service names "" and "jaxserve.worker.WorkerService");
-3. one ``Execute`` per step, run one at a time in arrival order;
+3. one ``Execute`` per step, run one at a time **in step-id order**: the
+   engine may send step N + 1 while step N runs (``GrpcWorker.submit``),
+   so the plan is received and decoded during step N and runs right after
+   it; after ``Initialize`` the first plan sets the order, each later plan
+   waits (up to ``STEP_ORDER_TIMEOUT_S``) for its predecessor;
 4. ``Shutdown`` (or SIGTERM / SIGINT) releases the device state and the
    process exits with status 0. ``--exit-with-parent`` also exits when the
    parent process goes away (no orphan worker holding the device).
@@ -56,6 +60,7 @@ SERVER_OPTIONS = [
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 1000),
     ("grpc.http2.max_ping_strikes", 0),
 ]
+STEP_ORDER_TIMEOUT_S = 120.0  # how long a plan waits for its predecessor to arrive and run
 T = TypeVar("T")
 
 
@@ -73,8 +78,10 @@ class WorkerServicer(wpb_grpc.WorkerServiceServicer):
         self._make_worker = make_worker
         self._health = health_servicer
         self._on_shutdown = on_shutdown
-        self._lock = threading.Lock()  # serializes Initialize / Execute / Shutdown
+        # Serializes Initialize / Execute / Shutdown; Execute waits on it for its turn.
+        self._lock = threading.Condition()
         self._worker = None
+        self._next_step = 0  # the step id that runs next
 
     def _set_serving(self, serving: bool) -> None:
         status = (health_pb2.HealthCheckResponse.SERVING if serving
@@ -107,6 +114,7 @@ class WorkerServicer(wpb_grpc.WorkerServiceServicer):
             worker = self._make_worker()
             geometry = self._call(context, "initialize", lambda: worker.initialize(init))
             self._worker = worker
+            self._next_step = 0
             self._set_serving(True)
         return plan_codec.geometry_to_proto(geometry)
 
@@ -114,9 +122,17 @@ class WorkerServicer(wpb_grpc.WorkerServiceServicer):
         plan = self._call(context, f"step {request.step_id}",
                           lambda: plan_codec.plan_from_proto(request))
         with self._lock:
+            # A plan ahead of its turn waits; one at or behind it runs (nothing to wait for).
+            if not self._lock.wait_for(lambda: plan.step_id <= self._next_step,
+                                       timeout=STEP_ORDER_TIMEOUT_S):
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"step {plan.step_id} waited {STEP_ORDER_TIMEOUT_S} s for step "
+                              f"{self._next_step}, which never came")
             if self._worker is None:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                               "the worker is not initialized (call Initialize first)")
+            self._next_step = max(self._next_step, plan.step_id + 1)
+            self._lock.notify_all()
             result = self._call(context, f"step {plan.step_id}",
                                 lambda: self._worker.execute(plan))
         return plan_codec.result_to_proto(result)
@@ -156,6 +172,8 @@ class WorkerServicer(wpb_grpc.WorkerServiceServicer):
             if self._worker is not None:
                 self._worker.shutdown()
                 self._worker = None
+            self._next_step = 0
+            self._lock.notify_all()
 
 
 def _watch_parent(stop: threading.Event, parent: int) -> None:

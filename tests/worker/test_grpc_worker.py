@@ -16,6 +16,7 @@ import queue
 import random
 import signal
 import threading
+import time
 
 import grpc
 import numpy as np
@@ -148,6 +149,31 @@ def test_status_health_errors_and_reinitialize(tiny_dir):
         assert _run(engine, _requests(6, num=4)) == got
         assert worker.status().num_steps == engine.num_steps + (engine._in_flight is not None)
         channel.close()
+
+
+def test_plans_run_in_step_order_whatever_order_they_arrive_in(tiny_dir):
+    """Step 1 decodes the token step 0 samples: sent first, it must wait for step 0."""
+    i32 = lambda xs: np.array(xs, np.int32)  # noqa: E731
+    prompt = i32([9, 8, 7, 6, 5])
+    plans = [
+        StepPlan(0, i32([]), (NewRow(2, prompt, 5, SamplingParams(temperature=0.0), None,
+                                     i32([1, 2])),), i32([]), i32([]), i32([2]), i32([0]),
+                 i32([5]), np.array([True]), 8, 1),
+        StepPlan(1, i32([]), (), i32([]), i32([]), i32([2]), i32([5]), i32([1]),
+                 np.array([True]), 1, 1),
+    ]
+    init = _config(tiny_dir).worker_init()
+    local = InProcessWorker(load_model(tiny_dir), progress=False)
+    local.initialize(init)
+    want = [local.execute(p).token_ids.tolist() for p in plans]
+    with thread_server() as address:
+        worker = GrpcWorker(address)
+        worker.initialize(init)
+        second = worker.submit(plans[1])
+        time.sleep(0.3)
+        assert not second.done()  # waiting for step 0
+        first = worker.submit(plans[0])
+        assert [first.result(30).token_ids.tolist(), second.result(30).token_ids.tolist()] == want
 
 
 def test_worker_process_exits_on_shutdown_and_on_sigterm():
