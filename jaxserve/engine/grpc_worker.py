@@ -34,7 +34,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 
 import grpc
 
@@ -267,15 +266,3 @@ def start_worker_process(address: str = "127.0.0.1:0", *, compilation_cache_dir:
     threading.Thread(target=proc.stdout.read, daemon=True).start()  # drain, never block it
     return GrpcWorker(bound, process=proc, **worker_kwargs)
 
-
-def wait_for_exit(worker: GrpcWorker, timeout: float) -> int | None:
-    """The started worker process's exit status after up to ``timeout`` s (None: running)."""
-    if worker.process is None:
-        return None
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        code = worker.process.poll()
-        if code is not None:
-            return code
-        time.sleep(0.05)
-    return worker.process.poll()
