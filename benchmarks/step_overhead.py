@@ -2,9 +2,11 @@
 
     python -m benchmarks.step_overhead [--rows 1,16,64] [--steps 24]
         [--transports in_process,grpc] [--plan-bytes] [--start-times]
+        [--model DIR] [--dtype float32] [--attention-backend NAME]
 
 For each transport (the worker in process, or a worker process over gRPC)
-and each R (sequences decoding together), the demo model decodes R
+and each R (sequences decoding together), the model (default: the demo
+model) decodes R
 sequences in steady state (prefill done, no sequence finishing) and the
 benchmark reports, per step:
 
@@ -43,18 +45,21 @@ PROMPT_LEN = 32
 T_LADDER, R_LADDER = (1, 16, 64, 512), (1, 16, 64)
 
 
-def _config(async_scheduling: bool) -> EngineConfig:
+def _config(async_scheduling: bool, model: str | None, dtype: str,
+            backend: str | None = None) -> EngineConfig:
     return EngineConfig(
-        max_model_len=1024, async_scheduling=async_scheduling,
+        model=model, dtype=dtype, max_model_len=1024, async_scheduling=async_scheduling,
+        attention_backend=backend,
         scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=512,
                                   token_buckets=T_LADDER, request_buckets=R_LADDER),
         cache=CacheConfig(block_size=16, num_kv_blocks=64 * 8 + 1),
         compile=CompileConfig(strict_recompile=True))
 
 
-def measure(worker, rows: int, async_scheduling: bool, steps: int) -> dict[str, float]:
+def measure(worker, rows: int, async_scheduling: bool, steps: int, model: str | None = None,
+            dtype: str = "float32", backend: str | None = None) -> dict[str, float]:
     """Median per-step wall / device / worker-host seconds over ``steps`` decode steps."""
-    engine = EngineCore(_config(async_scheduling), worker)
+    engine = EngineCore(_config(async_scheduling, model, dtype, backend), worker)
     rng = np.random.default_rng(rows)
     for i in range(rows):
         prompt = rng.integers(100, 40000, PROMPT_LEN).tolist()
@@ -93,13 +98,13 @@ def plan_bytes() -> None:
         print(f"  R = {r:3d}: {plan_to_proto(plan).ByteSize():5d} bytes")
 
 
-def start_times() -> None:
+def start_times(model: str | None, dtype: str, cache: str | None = None) -> None:
     from jaxserve.engine.grpc_worker import start_worker_process
 
-    init = WorkerInit(model=None, dtype="float32", block_size=16, num_kv_blocks=513,
+    init = WorkerInit(model=model, dtype=dtype, block_size=16, num_kv_blocks=513,
                       kv_cache_bytes=None, max_num_seqs=64, max_model_len=1024,
                       token_buckets=T_LADDER, request_buckets=R_LADDER)
-    cache = tempfile.mkdtemp(prefix="jaxserve_cache_")
+    cache = cache or tempfile.mkdtemp(prefix="jaxserve_cache_")
     for label in ("first start", "warm cache"):
         t0 = time.perf_counter()
         worker = start_worker_process(compilation_cache_dir=cache, log_level="WARNING")
@@ -120,12 +125,17 @@ def main() -> None:
     parser.add_argument("--transports", default="in_process,grpc")
     parser.add_argument("--plan-bytes", action="store_true")
     parser.add_argument("--start-times", action="store_true")
+    parser.add_argument("--start-cache-dir", default=None,
+                        help="an empty directory for --start-times (default: a new temporary one)")
+    parser.add_argument("--model", default=None, help="a model directory (default: the demo)")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--attention-backend", default=None, help="default: the platform's")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     if args.plan_bytes:
         plan_bytes()
     if args.start_times:
-        start_times()
+        start_times(args.model, args.dtype, args.start_cache_dir)
     rows = [int(r) for r in args.rows.split(",") if r]
     print("per decode step, ms (median): wall, device, overhead = wall - device, worker host")
     for transport in args.transports.split(","):
@@ -139,13 +149,14 @@ def main() -> None:
             from jaxserve.model.loader import load_model
             from jaxserve.worker import InProcessWorker
 
-            loaded = load_model(None, "float32")
+            loaded = load_model(args.model, args.dtype)
             worker = None
         try:
             for r in rows:
                 for async_scheduling in (False, True):
                     w = worker if transport == "grpc" else InProcessWorker(loaded, progress=False)
-                    m = measure(w, r, async_scheduling, args.steps)
+                    m = measure(w, r, async_scheduling, args.steps, args.model, args.dtype,
+                                args.attention_backend)
                     print(f"{transport:10s} R = {r:2d} {'async' if async_scheduling else 'sync ':5s}"
                           f"  wall {1e3 * m['wall']:7.2f}  device {1e3 * m['device']:7.2f}  "
                           f"overhead {1e3 * m['overhead']:6.2f}  worker host "
