@@ -119,7 +119,7 @@ def test_grpc_worker_matches_the_in_process_worker(tiny_dir):
                                            [b.logprob, *b.top_logprobs], atol=1e-5)
 
 
-def test_status_health_errors_and_reinitialize(tiny_dir):
+def test_status_health_errors_profile_and_reinitialize(tiny_dir, tmp_path):
     with thread_server() as address:
         worker = GrpcWorker(address)
         assert not worker.status().ready
@@ -144,9 +144,13 @@ def test_status_health_errors_and_reinitialize(tiny_dir):
         assert not worker.dead  # a refused plan is not a death
         got = _run(engine, _requests(6, num=4))
         assert all(reasons for _, _, reasons in got.values())
-        # A second engine re-initializes the same process (fresh rows and cache).
+        # A second engine re-initializes the same process (fresh rows and cache),
+        # under the profiler.
         engine = EngineCore(_config(tiny_dir, async_scheduling=True), worker)
+        worker.start_profile(str(tmp_path))
         assert _run(engine, _requests(6, num=4)) == got
+        worker.stop_profile()
+        assert list(tmp_path.rglob("*.xplane.pb"))  # a trace TensorBoard / Perfetto can read
         assert worker.status().num_steps == engine.num_steps + (engine._in_flight is not None)
         channel.close()
 
