@@ -37,14 +37,23 @@ class EngineOptions:
         return dataclasses.asdict(self)
 
 
-def make_llm(model: str | None, tokenizer: str | None, options: EngineOptions):
+def make_llm(model: str | None, tokenizer: str | None, options: EngineOptions, *,
+             profiled: bool = False):
+    """A ``jaxserve.LLM``; ``profiled``: its worker marks each step in the trace."""
     from jaxserve import LLM
+
+    worker = None
+    if profiled:
+        from benchmarks import profiling
+
+        worker = profiling.marking_worker()
 
     return LLM(model, tokenizer=tokenizer, max_num_seqs=options.max_num_seqs,
                max_num_batched_tokens=options.max_num_batched_tokens,
                block_size=options.block_size, kv_cache_bytes=options.kv_cache_bytes,
                max_model_len=options.max_model_len,
-               enable_prefix_caching=options.enable_prefix_caching, dtype=options.dtype)
+               enable_prefix_caching=options.enable_prefix_caching, dtype=options.dtype,
+               worker=worker)
 
 
 def warm_up(llm, workload: Workload, seed: int) -> float:
@@ -95,7 +104,7 @@ def run(workload: Workload, *, model: str | None, tokenizer: str | None,
     and, with ``profile_dir``, ``profile`` (``benchmarks.profiling`` breakdown).
     """
     start = time.perf_counter()
-    llm = make_llm(model, tokenizer, options)
+    llm = make_llm(model, tokenizer, options, profiled=profile_dir is not None)
     load = time.perf_counter() - start
     try:
         logger.info("jaxserve: engine ready in %.1f s; warming up", load)

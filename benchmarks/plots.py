@@ -32,6 +32,7 @@ def throughput_vs_concurrency(levels: Sequence[Mapping[str, Any]], path: pathlib
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(xs, [lv["summary"]["output_throughput"] for lv in levels], "o-", label="output tok/s")
     ax.set_xscale("log", base=2)
+    ax.set_xticks(xs, [str(x) for x in xs])
     ax.set_xlabel("concurrent requests")
     ax.set_ylabel("output tokens / s")
     ax2 = ax.twinx()

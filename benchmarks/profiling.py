@@ -26,6 +26,7 @@ The Python tracer is off (it would slow the host loop it is measuring).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import pathlib
@@ -40,7 +41,44 @@ from benchmarks import hlo_categories, trace_analysis
 logger = logging.getLogger(__name__)
 
 WINDOW = "jaxserve_bench_window"
+STEP_MARK = "jaxserve_step"  # + " T=<tokens> R=<rows>"
 _dump_dir: str | None = None
+
+
+class MarkingWorker:
+    """A ``jaxserve.step_plan.Worker`` that runs each step inside a trace annotation.
+
+    The annotation (``"jaxserve_step T=16 R=4"``) names the plan's bucket, so
+    the trace analysis knows which compiled variant of the body each
+    execution was (variants share their module and op names). Everything
+    else is the wrapped worker's.
+    """
+
+    def __init__(self, inner: Any):
+        self.inner = inner
+
+    def initialize(self, init: Any) -> Any:
+        return self.inner.initialize(init)
+
+    def execute(self, plan: Any) -> Any:
+        import jax
+
+        name = f"{STEP_MARK} T={plan.num_tokens_bucket} R={plan.num_reqs_bucket}"
+        with jax.profiler.TraceAnnotation(name):
+            return self.inner.execute(plan)
+
+    def shutdown(self) -> None:
+        self.inner.shutdown()
+
+    def __getattr__(self, name: str) -> Any:  # the wrapped worker's counters and helpers
+        return getattr(self.inner, name)
+
+
+def marking_worker() -> MarkingWorker:
+    """A ``MarkingWorker`` around a new ``InProcessWorker``."""
+    from jaxserve.worker import InProcessWorker
+
+    return MarkingWorker(InProcessWorker())
 
 
 def prepare_process() -> str | None:
@@ -91,12 +129,12 @@ class Session:
     def report(self) -> dict[str, Any]:
         """The ``trace_analysis.breakdown`` of the window, plus where the trace is."""
         path = self.xplane()
-        events, window, compile_ns = read_xplane(path)
+        events, window, compile_ns, marks = read_xplane(path)
         modules = hlo_categories.load_dump(_dump_dir) if _dump_dir else []
-        execs = trace_analysis.executions(events, make_categorizer(modules))
+        execs = trace_analysis.executions(events, make_categorizer(modules), marks)
         result = trace_analysis.breakdown(execs, window)
         result.update(trace=str(path), hlo_modules=len(modules),
-                      compile_ms_in_window=round(compile_ns / 1e6, 3),
+                      compile_ms_in_window=round(compile_ns / 1e6, 3), step_marks=len(marks),
                       categorized_by="hlo dump" if modules else "op name only")
         return result
 
@@ -118,9 +156,9 @@ def profiled(directory: str | os.PathLike) -> Iterator[Session]:
         time.sleep(0.01)  # let the last op events land inside the trace
 
 
-def read_xplane(path: str | os.PathLike
-                ) -> tuple[list[trace_analysis.OpEvent], tuple[int, int], int]:
-    """(XLA op events, the window (ns), ns spent compiling inside it) from an ``.xplane.pb``.
+def read_xplane(path: str | os.PathLike) -> tuple[
+        list[trace_analysis.OpEvent], tuple[int, int], int, list[trace_analysis.StepMark]]:
+    """(XLA op events, the window (ns), ns compiling inside it, step marks) from an ``.xplane.pb``.
 
     Raises:
       ValueError: the trace has no ``WINDOW`` annotation.
@@ -128,13 +166,20 @@ def read_xplane(path: str | os.PathLike
     from jax.profiler import ProfileData
 
     data = ProfileData.from_file(str(path))
-    events, window, compiles = [], None, []
+    events, window, compiles, marks = [], None, [], []
     for plane in data.planes:
         for thread, line in enumerate(plane.lines):
             for event in line.events:
                 name = event.name
                 if name == WINDOW:
                     window = (int(event.start_ns), int(event.start_ns + event.duration_ns))
+                    continue
+                if name.startswith(STEP_MARK):
+                    fields = dict(f.split("=", 1) for f in name.split()[1:] if "=" in f)
+                    start = int(event.start_ns)
+                    marks.append(trace_analysis.StepMark(
+                        start, start + int(event.duration_ns), int(fields.get("T", 0)),
+                        int(fields.get("R", 0))))
                     continue
                 if name.endswith("Compile") and "PjRt" in name:
                     compiles.append((int(event.start_ns), int(event.start_ns + event.duration_ns)))
@@ -152,39 +197,40 @@ def read_xplane(path: str | os.PathLike
         raise ValueError(f"{path}: no {WINDOW!r} annotation in the trace")
     compile_ns = sum(min(b, window[1]) - max(a, window[0]) for a, b in compiles
                      if b > window[0] and a < window[1])
-    return events, window, compile_ns
+    return events, window, compile_ns, marks
 
 
 def make_categorizer(modules: list[hlo_categories.HloModule]) -> trace_analysis.Categorizer:
-    """Picks, per execution, the dumped variant of its module that holds all its ops."""
+    """Picks, per execution, the dumped variant of its module that ran.
+
+    Variants of one function share the module name and mostly the op names;
+    the step mark's T (when there is one) narrows them to the variant
+    compiled for that T, then the most ops in common decides. Ops the
+    chosen variant lacks are categorized by name.
+    """
     by_name: dict[str, list[hlo_categories.HloModule]] = {}
     for module in modules:
         by_name.setdefault(module.name, []).append(module)
 
-    def categorize(module_name: str, ops: frozenset[str]):
+    def categorize(module_name: str, ops: frozenset[str], num_tokens: int | None):
         variants = by_name.get(module_name, [])
+        if num_tokens is not None:
+            variants = [v for v in variants if v.num_tokens == num_tokens] or variants
         best = max(variants, key=lambda m: len(ops & m.categories.keys()), default=None)
-        if best is None or not ops <= best.categories.keys():
-            missing = len(ops - best.categories.keys()) if best else len(ops)
-            if best is not None:
-                logger.debug("%s: %d ops not in the best dumped variant", module_name, missing)
+        if best is None:
+            tokens = num_tokens if "body" in module_name else None
+            return functools.partial(hlo_categories.categorize_by_name,
+                                     module_name=module_name), tokens
+        if ops <= best.categories.keys():
+            return best.categories.__getitem__, best.num_tokens
 
-            def by_op_name(op: str, _module=module_name, _best=best) -> str:
-                if _best is not None and op in _best.categories:
-                    return _best.categories[op]
-                return hlo_categories.categorize_by_name(op, _module)
+        def by_variant_then_name(op: str) -> str:
+            category = best.categories.get(op)
+            return category or hlo_categories.categorize_by_name(op, module_name)
 
-            tokens = best.num_tokens if best else (None if "sampl" in module_name
-                                                   else _guess_body(module_name))
-            return by_op_name, tokens
-        return best.categories.__getitem__, best.num_tokens
+        return by_variant_then_name, best.num_tokens
 
     return categorize
-
-
-def _guess_body(module_name: str) -> int | None:
-    """Without a dump, a module named like the body counts as a step start (T unknown: 0)."""
-    return 0 if "body" in module_name else None
 
 
 def format_report(report: dict[str, Any], max_steps: int = 12) -> str:

@@ -50,8 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         metavar=("MIN", "MAX"), help="prompt lengths (default 32 512)")
     parser.add_argument("--output-range", type=int, nargs=2, default=(32, 128),
                         metavar=("MIN", "MAX"), help="output lengths (default 32 128)")
-    parser.add_argument("--request-rate", type=float, default=2.0,
-                        help="Poisson scenario's requests/s (default 2; 0 skips it)")
+    parser.add_argument("--request-rate", type=float, default=1.0,
+                        help="Poisson scenario's requests/s (default 1; 0 skips it)")
     parser.add_argument("--concurrency", type=int, nargs="*", default=(1, 4, 16),
                         help="concurrency levels to sweep (default 1 4 16)")
     parser.add_argument("--no-max", action="store_true", help="skip the all-at-once scenario")

@@ -22,6 +22,7 @@ and a category per (module variant, op) from ``benchmarks.hlo_categories``.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
 from collections.abc import Callable, Iterable, Sequence
@@ -55,8 +56,25 @@ class Execution:
         return self.end - self.start
 
 
-# (module name, ops executed) -> (category of each op, T or None)
-Categorizer = Callable[[str, frozenset[str]], tuple[Callable[[str], str], int | None]]
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepMark:
+    """A host-side annotation around one worker step: times in ns, the plan's bucket."""
+
+    start: int
+    end: int
+    num_tokens: int
+    num_reqs: int
+
+
+# (module name, ops executed, T of the step mark around it or None)
+#   -> (category of each op, T if the module is a body else None)
+Categorizer = Callable[[str, frozenset[str], int | None], tuple[Callable[[str], str], int | None]]
+
+
+def _mark_at(marks: Sequence[StepMark], t: int) -> StepMark | None:
+    """The mark whose interval holds time ``t`` (marks sorted by start, disjoint)."""
+    i = bisect.bisect_right([m.start for m in marks], t) - 1
+    return marks[i] if i >= 0 and t < marks[i].end else None
 
 
 def _innermost_segments(events: Sequence[OpEvent]) -> list[tuple[int, int, OpEvent]]:
@@ -108,14 +126,22 @@ def split_time(segments: Iterable[tuple[int, int, str]]) -> dict[str, float]:
     return dict(out)
 
 
-def executions(events: Iterable[OpEvent], categorizer: Categorizer) -> list[Execution]:
-    """Groups ops by (module, run id) and splits each execution's time by category."""
+def executions(events: Iterable[OpEvent], categorizer: Categorizer,
+               marks: Sequence[StepMark] = ()) -> list[Execution]:
+    """Groups ops by (module, run id) and splits each execution's time by category.
+
+    ``marks`` (optional) tell the bucket of the step each execution ran in,
+    so the categorizer can pick the module variant compiled for that T.
+    """
     groups: dict[tuple[str, int], list[OpEvent]] = collections.defaultdict(list)
     for event in events:
         groups[(event.module, event.run_id)].append(event)
+    marks = sorted(marks, key=lambda m: m.start)
     out = []
     for (module, run_id), ops in groups.items():
-        category, num_tokens = categorizer(module, frozenset(e.op for e in ops))
+        mark = _mark_at(marks, min(e.start for e in ops))
+        category, num_tokens = categorizer(module, frozenset(e.op for e in ops),
+                                           None if mark is None else mark.num_tokens)
         by_thread: dict[int, list[OpEvent]] = collections.defaultdict(list)
         for e in ops:
             by_thread[e.thread].append(e)

@@ -5,15 +5,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from benchmarks.trace_analysis import OpEvent, breakdown, executions, split_time
+from benchmarks.trace_analysis import OpEvent, StepMark, breakdown, executions, split_time
 
 CATS = {"dot.1": "matmul", "while.1": "attention", "fusion.2": "attention",
         "scatter.1": "kv_write", "fusion.9": "other", "sort.1": "sampler"}
 
 
-def categorizer(module, ops):
+def categorizer(module, ops, num_tokens=None):
     assert ops <= CATS.keys()
-    return CATS.__getitem__, (8 if module == "jit_run_body" else None)
+    return CATS.__getitem__, ((num_tokens or 8) if module == "jit_run_body" else None)
 
 
 def ev(thread, start, end, op, module="jit_run_body", run=1):
@@ -53,6 +53,14 @@ def test_steps_gaps_and_totals_add_up_to_the_window():
     assert sum(totals.values()) == pytest.approx(0.400)
     assert sum(result["percent_of_wall"].values()) == pytest.approx(100, abs=0.05)
     assert [b["num_tokens"] for b in result["by_bucket"]] == [8]
+
+
+def test_step_marks_give_each_execution_its_bucket():
+    ops = [ev(0, 10, 20, "dot.1", run=1), ev(0, 30, 40, "dot.1", run=2),
+           ev(0, 50, 60, "dot.1", run=3)]
+    marks = [StepMark(5, 25, 16, 2), StepMark(28, 45, 1, 1)]  # the third runs outside any mark
+    got = [x.num_tokens for x in executions(ops, categorizer, marks)]
+    assert got == [16, 1, 8]
 
 
 def test_split_time_matches_a_per_tick_oracle():
