@@ -25,11 +25,13 @@ The Python tracer is off (it would slow the host loop it is measuring).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import logging
 import os
 import pathlib
+import shutil
 import sys
 import tempfile
 import time
@@ -94,6 +96,7 @@ def prepare_process() -> str | None:
         logger.warning("jax already started: the profile will categorize ops by name only")
         return None
     _dump_dir = tempfile.mkdtemp(prefix="jaxserve-hlo-")
+    atexit.register(shutil.rmtree, _dump_dir, ignore_errors=True)  # tens of MB of text
     flags = os.environ.get("XLA_FLAGS", "")
     os.environ["XLA_FLAGS"] = f"{flags} --xla_dump_to={_dump_dir} --xla_dump_hlo_as_text".strip()
     import jax
