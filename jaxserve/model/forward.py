@@ -7,8 +7,9 @@ logits on R (the request bucket), so the number of executables grows as
 simple callers. The KV cache is donated: updates are in place.
 
 The NNX module is split once (``nnx.split``); the jitted functions take the
-static ``graphdef`` and the flat parameter ``state`` and merge them at trace
-time, so no NNX object is traversed per step.
+static ``graphdef`` (a ``StaticGraph``, whose hash is computed once) and the
+parameters as a pure dict, and merge them at trace time, so no NNX object is
+traversed per step.
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ import dataclasses
 import functools
 
 import jax
-from flax import nnx
 
 from jaxserve.model.attention import AttentionMetadata
+from jaxserve.model.graph import StaticGraph
 from jaxserve.model.kv_cache import KVCache
 
 
@@ -35,13 +36,13 @@ class StepInputs:
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "backend"), donate_argnames=("kv_cache",))
-def model_body(graphdef: nnx.GraphDef, state: nnx.State, kv_cache: KVCache, input_ids: jax.Array,
+def model_body(graphdef: StaticGraph, state: dict, kv_cache: KVCache, input_ids: jax.Array,
                positions: jax.Array, metadata: AttentionMetadata, *, backend: str
                ) -> tuple[jax.Array, KVCache]:
     """Runs every layer over the step's tokens.
 
     Args:
-      graphdef, state: the split CausalLM.
+      graphdef, state: the split CausalLM (``load_model``'s graph and params).
       kv_cache: the cache, donated.
       input_ids, positions: i32[T].
       metadata: slot mapping, block table, seq lens, query start loc.
@@ -50,22 +51,22 @@ def model_body(graphdef: nnx.GraphDef, state: nnx.State, kv_cache: KVCache, inpu
     Returns:
       (hidden [T, D] in the parameter dtype, updated kv_cache).
     """
-    model = nnx.merge(graphdef, state)
+    model = graphdef.merge(state)
     return model(input_ids, positions, kv_cache, metadata, backend)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
-def compute_logits(graphdef: nnx.GraphDef, state: nnx.State, hidden: jax.Array,
+def compute_logits(graphdef: StaticGraph, state: dict, hidden: jax.Array,
                    logits_indices: jax.Array) -> jax.Array:
     """hidden [T, D], logits_indices i32[R] → logits f32[R, V]."""
-    model = nnx.merge(graphdef, state)
+    model = graphdef.merge(state)
     return model.logits(hidden[logits_indices])
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "backend"), donate_argnames=("kv_cache",))
-def forward(graphdef: nnx.GraphDef, state: nnx.State, kv_cache: KVCache, inputs: StepInputs,
+def forward(graphdef: StaticGraph, state: dict, kv_cache: KVCache, inputs: StepInputs,
             *, backend: str) -> tuple[jax.Array, KVCache]:
     """One step in one executable: returns (logits f32[R, V], updated kv_cache)."""
-    model = nnx.merge(graphdef, state)
+    model = graphdef.merge(state)
     hidden, kv_cache = model(inputs.input_ids, inputs.positions, kv_cache, inputs.attention, backend)
     return model.logits(hidden[inputs.logits_indices]), kv_cache

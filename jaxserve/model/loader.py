@@ -23,6 +23,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.config import ModelConfig
+from jaxserve.model.graph import StaticGraph
 from jaxserve.model.llama import CausalLM
 
 logger = logging.getLogger(__name__)
@@ -109,13 +110,14 @@ class _SafetensorsIndex:
         return self._handles[self.weight_map[name]].get_tensor(name)
 
 
-def abstract_model(config: ModelConfig, dtype: jnp.dtype) -> tuple[nnx.GraphDef, nnx.State]:
-    """(graphdef, state of ShapeDtypeStructs) of CausalLM, allocating nothing."""
-    return nnx.split(nnx.eval_shape(lambda: CausalLM(config, dtype, nnx.Rngs(0))))
+def abstract_model(config: ModelConfig, dtype: jnp.dtype) -> tuple[StaticGraph, dict]:
+    """(graph, parameters as a pure dict of ShapeDtypeStructs) of CausalLM, allocating nothing."""
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: CausalLM(config, dtype, nnx.Rngs(0))))
+    return StaticGraph(graphdef), nnx.to_pure_dict(state)
 
 
 def load_model(model_dir: str | os.PathLike | None = None, dtype: str | jnp.dtype = "float32",
-               ) -> tuple[ModelConfig, nnx.GraphDef, nnx.State]:
+               ) -> tuple[ModelConfig, StaticGraph, dict]:
     """Loads a Hugging Face Llama-family directory.
 
     Args:
@@ -124,7 +126,8 @@ def load_model(model_dir: str | os.PathLike | None = None, dtype: str | jnp.dtyp
       dtype: parameter dtype, "float32" (CPU default) or "bfloat16".
 
     Returns:
-      (config, graphdef, state): ``nnx.merge(graphdef, state)`` is the model.
+      (config, graph, params): ``graph.merge(params)`` is the model; ``params``
+      is a pure (nested dict) pytree of arrays, cheap to flatten per call.
 
     Raises:
       NotImplementedError: unsupported architecture (lists the supported ones).
@@ -142,7 +145,7 @@ def load_model(model_dir: str | os.PathLike | None = None, dtype: str | jnp.dtyp
     dtype = resolve_dtype(dtype)
     config = ModelConfig.from_pretrained(path)
     start = time.perf_counter()
-    graphdef, state = abstract_model(config, dtype)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: CausalLM(config, dtype, nnx.Rngs(0))))
     index = _SafetensorsIndex(path)
     filled = {}
     for param_path, abstract in state.flat_state():
@@ -154,11 +157,12 @@ def load_model(model_dir: str | os.PathLike | None = None, dtype: str | jnp.dtyp
                 f"expected {abstract.shape}")
         filled[param_path] = value
     state = nnx.from_flat_state([(p, v.replace(filled[p])) for p, v in state.flat_state()])
+    params = nnx.to_pure_dict(state)
     logger.info("loaded %s (%s, %d layers) in %.1f s", path, config.architecture,
                 config.num_layers, time.perf_counter() - start)
-    return config, graphdef, state
+    return config, StaticGraph(graphdef), params
 
 
-def param_bytes(state: nnx.State) -> int:
-    """Total bytes of all parameters in ``state``."""
-    return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(state))
+def param_bytes(params) -> int:
+    """Total bytes of all parameter arrays in ``params``."""
+    return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(params))

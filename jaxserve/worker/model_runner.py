@@ -25,15 +25,15 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from jaxserve.model.attention import AttentionMetadata
+from jaxserve.model.graph import StaticGraph
 from jaxserve.model.kv_cache import KVCache
 from jaxserve.worker.sampler import SamplerOutput, SamplingMetadata, sample
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "backend"), donate_argnames=("kv_cache",))
-def run_body(graphdef: nnx.GraphDef, state: nnx.State, kv_cache: KVCache, input_ids: jax.Array,
+def run_body(graphdef: StaticGraph, state: dict, kv_cache: KVCache, input_ids: jax.Array,
              positions: jax.Array, metadata: AttentionMetadata, logits_indices: jax.Array, *,
              backend: str) -> tuple[jax.Array, KVCache]:
     """The model body over one step.
@@ -48,19 +48,19 @@ def run_body(graphdef: nnx.GraphDef, state: nnx.State, kv_cache: KVCache, input_
     Returns:
       (hidden [RA, D] in the parameter dtype, updated kv_cache).
     """
-    model = nnx.merge(graphdef, state)
+    model = graphdef.merge(state)
     hidden, kv_cache = model(input_ids, positions, kv_cache, metadata, backend)  # [T, D]
     return hidden[logits_indices], kv_cache
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
-def run_sampler(graphdef: nnx.GraphDef, state: nnx.State, hidden: jax.Array,
+def run_sampler(graphdef: StaticGraph, state: dict, hidden: jax.Array,
                 metadata: SamplingMetadata, server_key: jax.Array) -> SamplerOutput:
     """Logits of the first R rows of ``hidden`` [RA, D], then one token per row.
 
     R is the metadata's row count (the request bucket).
     """
-    model = nnx.merge(graphdef, state)
+    model = graphdef.merge(state)
     logits = model.logits(hidden[:metadata.num_rows])  # [R, V] f32
     return sample(logits, metadata, server_key)
 
