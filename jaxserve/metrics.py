@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from jaxserve.engine.messages import EngineStats
@@ -65,6 +65,9 @@ class _EngineStatsCollector(Collector):
         yield GaugeMetricFamily("jaxserve_prefix_cache_hit_rate",
                                 "Prompt tokens found in the prefix cache / looked up (0..1).",
                                 value=stats.prefix_cache_hit_rate)
+        yield CounterMetricFamily("jaxserve_recompiles_after_warmup",
+                                  "Worker compiles after start-up warm-up (0 when healthy).",
+                                  value=stats.num_recompiles)
 
 
 class ServerMetrics:

@@ -3,10 +3,10 @@
 See docs/engine.md. Entry point: ``EngineCore(EngineConfig(...), worker)``.
 """
 
-from jaxserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from jaxserve.engine.config import CacheConfig, CompileConfig, EngineConfig, SchedulerConfig
 from jaxserve.engine.core import EngineCore
 from jaxserve.engine.messages import (EngineCoreOutput, EngineCoreRequest, EngineStats,
                                       SampleLogprobs)
 
-__all__ = ["CacheConfig", "EngineConfig", "EngineCore", "EngineCoreOutput", "EngineCoreRequest",
+__all__ = ["CacheConfig", "CompileConfig", "EngineConfig", "EngineCore", "EngineCoreOutput", "EngineCoreRequest",
            "EngineStats", "SampleLogprobs", "SchedulerConfig"]

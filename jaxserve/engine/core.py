@@ -258,7 +258,18 @@ class EngineCore:
             kv_blocks_total=bm.num_total_blocks, kv_blocks_free=bm.num_free_blocks - cached,
             kv_blocks_cached=cached, kv_blocks_used=bm.num_total_blocks - bm.num_free_blocks,
             prefix_cache_queries=bm.query_tokens, prefix_cache_hits=bm.hit_tokens,
-            num_preemptions=s.num_preemptions, num_steps=self.num_steps)
+            num_preemptions=s.num_preemptions, num_steps=self.num_steps,
+            num_recompiles=self._worker_recompiles())
+
+    def _worker_recompiles(self) -> int:
+        """The worker's compiles after warm-up; the last known count when it cannot answer."""
+        status = getattr(self.worker, "status", None)
+        if status is not None and self.serving:
+            try:
+                self._num_recompiles = status().num_recompiles
+            except Exception as err:  # noqa: BLE001 - stats must not fail the engine
+                logger.debug("worker status unavailable: %s", err)
+        return getattr(self, "_num_recompiles", 0)
 
     def shutdown(self) -> None:
         """Waits for a step in flight (its tokens are dropped), then shuts the worker down."""

@@ -104,6 +104,7 @@ class EngineStats:
     prefix_cache_hits: int
     num_preemptions: int
     num_steps: int
+    num_recompiles: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -212,8 +212,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-chunked-prefill", action="store_true",
                         help="turn chunked prefill off")
     parser.add_argument("--seed", type=int, default=0, help="server seed for unseeded sampling")
-    parser.add_argument("--async-scheduling", action="store_true",
-                        help="plan step N + 1 while the worker runs step N")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                        help="plan step N + 1 while the worker runs step N (default on: it hides "
+                             "the engine's CPU time and the gRPC hop behind the device; measured "
+                             "in docs/worker.md)")
 
 
 def engine_flags(args: argparse.Namespace) -> list[str]:
@@ -231,8 +233,7 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
         flags.append("--no-prefix-caching")
     if args.no_chunked_prefill:
         flags.append("--no-chunked-prefill")
-    if args.async_scheduling:
-        flags.append("--async-scheduling")
+    flags.append("--async-scheduling" if args.async_scheduling else "--no-async-scheduling")
     return flags
 
 

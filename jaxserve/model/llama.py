@@ -75,9 +75,11 @@ class Attention(nnx.Module):
             q, key = self.q_norm(q), self.k_norm(key)
         q = rope.apply_rope(q, cos, sin)
         key = rope.apply_rope(key, cos, sin)
-        k_cache, v_cache = write_kv(k_cache, v_cache, key, value, metadata.slot_mapping)
-        out = paged_attention(q, k_cache, v_cache, metadata, sm_scale=h ** -0.5,
-                              backend=backend, sliding_window=cfg.sliding_window)
+        with jax.named_scope("kv_write"):  # scope names: benchmarks/step_profile.py
+            k_cache, v_cache = write_kv(k_cache, v_cache, key, value, metadata.slot_mapping)
+        with jax.named_scope("attention"):
+            out = paged_attention(q, k_cache, v_cache, metadata, sm_scale=h ** -0.5,
+                                  backend=backend, sliding_window=cfg.sliding_window)
         return out.reshape(t, n * h) @ self.o_proj[...], k_cache, v_cache
 
 

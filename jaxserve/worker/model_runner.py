@@ -62,7 +62,8 @@ def run_sampler(graphdef: StaticGraph, state: dict, hidden: jax.Array,
     """
     model = graphdef.merge(state)
     logits = model.logits(hidden[:metadata.num_rows])  # [R, V] f32
-    return sample(logits, metadata, server_key)
+    with jax.named_scope("sampler"):  # scope name: benchmarks/step_profile.py
+        return sample(logits, metadata, server_key)
 
 
 @jax.jit

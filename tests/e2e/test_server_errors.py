@@ -289,3 +289,6 @@ def test_prometheus_metrics(server, client):
     for name in ("jaxserve_num_requests_waiting", "jaxserve_num_requests_running",
                  "jaxserve_num_sequences_in_flight"):
         assert name in after and total(after, name) == 0.0
+    # The recompile guard's production metric: exported, and 0 after all this traffic.
+    assert "jaxserve_recompiles_after_warmup_total" in after
+    assert total(after, "jaxserve_recompiles_after_warmup_total") == 0.0
