@@ -2,23 +2,27 @@
 
 DESIGN.md "The step plan": the worker runs a fixed set of executables — the
 model body per T bucket, the LM head + sampler per R bucket, and the
-penalty-statistics helpers per R — so all of them are compiled (or loaded
-from JAX's persistent compilation cache) in ``initialize``, before the first
-request, with a progress bar and the total time logged:
+penalty-statistics helpers per R — so all of them are compiled (or loaded)
+in ``initialize``, before the first request, with a progress bar and the
+total time logged:
 
-    report = compile_all(executables)          # [StepExecutable] -> CompileReport
+    report = compile_all(executables, store=program_store(dir))
+    functions = report.functions                # name -> StepFunction (callable)
     guard = RecompileGuard(strict=...); guard.arm()
     ...
     with guard.watch(f"step {step_id}"):        # every execute()
-        run the step
+        functions[f"body[T={t}]"](...)
+
+The worker calls the compiled ``StepFunction``s directly: a call off the
+compiled shapes raises instead of compiling. Two caches make a restart fast:
+the *program store* (``program_store.py``) keeps each executable's traced
+program, so a restart runs none of the model's Python, and JAX's persistent
+compilation cache keeps the compiled executables.
 
 Compiles are observed through ``jax.monitoring``: JAX records
 ``/jax/core/compile/backend_compile_duration`` each time it obtains a new XLA
 executable, whether compiled or loaded from the persistent cache, and
-``/jax/compilation_cache/cache_hits`` for the loads. ``jit(f).lower(...)
-.compile()`` fills the same executable cache that ``jit(f)(...)`` calls use,
-so compiling ahead of time from abstract shapes (``jax.ShapeDtypeStruct``)
-is enough: nothing runs, nothing is allocated.
+``/jax/compilation_cache/cache_hits`` for the loads.
 
 The persistent cache is process-wide JAX state: ``configure_persistent_cache``
 points it at a directory with a minimum compile time of 0 (so the CPU's
@@ -31,13 +35,16 @@ import collections
 import contextlib
 import dataclasses
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import jax
 
 from jaxserve.step_plan import RecompileError
+from jaxserve.worker.program_store import ProgramStore, export_program
 
 logger = logging.getLogger(__name__)
 
@@ -105,17 +112,92 @@ def configure_persistent_cache(directory: str | None) -> None:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class StepExecutable:
-    """One executable of the ladder: its name and how to lower it from abstract shapes.
+    """One executable of the ladder: what to compile, at which abstract shapes.
 
     Attributes:
       kind: "body" (keyed on T), "sampler" (keyed on R), "penalty" (keyed on R).
       name: e.g. "body[T=64]".
-      lower: returns the ``jax.stages.Lowered`` for the executable's shapes.
+      fn: the function, its static arguments bound; positional array arguments.
+      args: the positional arguments as pytrees of ``jax.ShapeDtypeStruct``
+        (or arrays: only shapes and dtypes are read).
+      donate: positions of the arguments whose buffers the call consumes.
+      key: a description of the shapes for the program store
+        (``jaxserve.worker.program_store``); "" keeps it out of the store.
     """
 
     kind: str
     name: str
-    lower: Callable[[], jax.stages.Lowered]
+    fn: Callable[..., Any]
+    args: tuple
+    donate: tuple[int, ...] = ()
+    key: str = ""
+
+    def lower(self) -> jax.stages.Lowered:
+        """The executable lowered at its shapes (for memory analysis and tests)."""
+        return jax.jit(self.fn, donate_argnums=self.donate).lower(*self.args)
+
+
+class StepFunction:
+    """A compiled ladder executable, called with the original (pytree) arguments.
+
+    The executable itself takes the flattened leaves; a call whose argument
+    structure differs from the compiled one raises ``ValueError`` (it would
+    need a new executable), and a leaf of another shape or dtype raises the
+    executable's own ``TypeError``: nothing here ever compiles.
+    """
+
+    __slots__ = ("name", "compiled", "in_tree", "out_tree")
+
+    def __init__(self, name: str, compiled: jax.stages.Compiled, in_tree, out_tree):
+        self.name, self.compiled, self.in_tree, self.out_tree = name, compiled, in_tree, out_tree
+
+    def __call__(self, *args):
+        leaves, tree = jax.tree.flatten(args)
+        if tree != self.in_tree:
+            raise ValueError(f"{self.name}: arguments {tree} differ from the compiled {self.in_tree}")
+        return jax.tree.unflatten(self.out_tree, self.compiled(*leaves))
+
+
+def _flat(exe: StepExecutable) -> tuple[Callable, list, Any, tuple[int, ...], list]:
+    """(flat function, flat specs, input tree, flat donated indices, cell receiving the result tree)."""
+    leaves, in_tree = jax.tree.flatten(exe.args)
+    specs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
+    donated, offset = [], 0
+    for i, arg in enumerate(exe.args):
+        n = len(jax.tree.leaves(arg))
+        if i in exe.donate:
+            donated.extend(range(offset, offset + n))
+        offset += n
+    out_tree_cell: list = []
+
+    def flat_fn(*flat_args):
+        out = exe.fn(*jax.tree.unflatten(in_tree, flat_args))
+        out_leaves, out_tree = jax.tree.flatten(out)
+        out_tree_cell[:] = [out_tree]
+        return out_leaves
+
+    return flat_fn, specs, in_tree, tuple(donated), out_tree_cell
+
+
+def _compile_one(exe: StepExecutable, store: ProgramStore | None) -> tuple[StepFunction, bool]:
+    """The executable compiled (or loaded from the caches); True when its program was stored."""
+    flat_fn, specs, in_tree, donated, out_tree_cell = _flat(exe)
+    key = store.key(exe.name, exe.key) if store is not None and exe.key else None
+    stored = store.load(key) if key is not None else None
+    if stored is not None:
+        program, out_tree = stored
+        compiled = jax.jit(program.call, donate_argnums=donated).lower(*specs).compile()
+        return StepFunction(exe.name, compiled, in_tree, out_tree), True
+    jitted = jax.jit(flat_fn, donate_argnums=donated)
+    if key is None:
+        compiled = jitted.lower(*specs).compile()
+        return StepFunction(exe.name, compiled, in_tree, out_tree_cell[0]), False
+    program = export_program(jitted, specs)
+    store.save(key, program, out_tree_cell[0])
+    # Compile the program exactly as a restart will, so that the restart is a
+    # persistent-cache hit.
+    compiled = jax.jit(program.call, donate_argnums=donated).lower(*specs).compile()
+    return StepFunction(exe.name, compiled, in_tree, out_tree_cell[0]), False
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -125,10 +207,13 @@ class CompileReport:
     Attributes:
       num_executables: executables of the ladder (each compiled or loaded once).
       by_kind: how many of each kind.
-      seconds: wall time, lowering included.
+      seconds: wall time, tracing and lowering included.
       num_backend_compiles: XLA executables obtained (compiled or loaded),
         small helper computations included.
       num_cache_hits: of those, loaded from the persistent cache.
+      num_programs_loaded: executables whose traced program came from the
+        program store (no tracing, no lowering of the model's Python).
+      functions: name → the compiled ``StepFunction``, for the worker to call.
     """
 
     num_executables: int
@@ -136,36 +221,57 @@ class CompileReport:
     seconds: float
     num_backend_compiles: int
     num_cache_hits: int
+    num_programs_loaded: int = 0
+    functions: dict[str, StepFunction] = dataclasses.field(default_factory=dict)
 
 
 def compile_all(executables: Sequence[StepExecutable], *, progress: bool = True,
-                desc: str = "compiling step executables") -> CompileReport:
-    """Lowers and compiles every executable (or loads it from the persistent cache).
+                desc: str = "compiling step executables",
+                store: ProgramStore | None = None) -> CompileReport:
+    """Compiles every executable, or loads it from the program store and JAX's cache.
 
-    Shows a tqdm progress bar on stderr (``progress``) and logs the total time.
+    With a ``store``, each executable's traced program is loaded from it when
+    present (then compiled: a persistent-cache hit on a warm restart), or
+    traced, stored and compiled. Shows a tqdm progress bar on stderr
+    (``progress``) and logs the total time.
     """
     from tqdm.auto import tqdm
 
     start = time.perf_counter()
     compiles, hits = COUNTER.compiles, COUNTER.cache_hits
     by_kind: collections.Counter[str] = collections.Counter()
+    functions: dict[str, StepFunction] = {}
+    loaded = 0
     with tqdm(total=len(executables), desc=desc, unit="exe", disable=not progress,
               leave=False) as bar:
         for exe in executables:
             bar.set_postfix_str(exe.name, refresh=False)
-            exe.lower().compile()
+            functions[exe.name], from_store = _compile_one(exe, store)
+            loaded += from_store
             by_kind[exe.kind] += 1
             bar.update(1)
     report = CompileReport(
         num_executables=len(executables), by_kind=dict(by_kind),
         seconds=time.perf_counter() - start,
         num_backend_compiles=COUNTER.compiles - compiles,
-        num_cache_hits=COUNTER.cache_hits - hits)
+        num_cache_hits=COUNTER.cache_hits - hits, num_programs_loaded=loaded,
+        functions=functions)
     logger.info("%d step executables (%s) ready in %.1f s: %d XLA executables, %d loaded from "
-                "the persistent compilation cache", report.num_executables,
+                "the persistent compilation cache, %d programs from the program store",
+                report.num_executables,
                 ", ".join(f"{n} {k}" for k, n in sorted(by_kind.items())), report.seconds,
-                report.num_backend_compiles, report.num_cache_hits)
+                report.num_backend_compiles, report.num_cache_hits, loaded)
     return report
+
+
+def program_store(directory: str | None) -> ProgramStore | None:
+    """The program store beside the persistent cache: ``<dir>/jaxserve-programs``.
+
+    ``directory`` None falls back to JAX's configured cache directory; with
+    neither there is no store.
+    """
+    directory = directory or jax.config.jax_compilation_cache_dir
+    return ProgramStore(os.path.join(directory, "jaxserve-programs")) if directory else None
 
 
 class RecompileGuard:

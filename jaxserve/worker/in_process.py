@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 import time
 
@@ -41,8 +42,8 @@ from jaxserve.model.loader import load_model, resolve_dtype
 from jaxserve.sampling_params import MAX_LOGPROBS
 from jaxserve.step_plan import Geometry, StepPlan, StepResult, WorkerInit, WorkerStatus
 from jaxserve.worker import model_runner as mr
-from jaxserve.worker.compile_manager import (RecompileGuard, compile_all,
-                                             configure_persistent_cache)
+from jaxserve.worker.compile_manager import (RecompileGuard, StepFunction, compile_all,
+                                             configure_persistent_cache, program_store)
 from jaxserve.worker.executables import LadderShapes, ladder_executables, lower_body, lower_sampler
 from jaxserve.worker.inputs import prepare_body_inputs, prepare_sampling
 from jaxserve.worker.kv_sizing import device_memory, num_kv_blocks, peak_activation_bytes
@@ -68,6 +69,7 @@ class InProcessWorker:
         self.device_seconds = 0.0
         self.num_steps = 0
         self.compile_report = None
+        self.functions: dict[str, StepFunction] = {}  # name → compiled at start-up
         self.guard = RecompileGuard()
         self.ready = False
 
@@ -113,7 +115,9 @@ class InProcessWorker:
         if init.precompile:
             self.compile_report = compile_all(
                 ladder_executables(shapes(self.kv_cache), init.token_buckets,
-                                   init.request_buckets), progress=self._progress)
+                                   init.request_buckets), progress=self._progress,
+                store=program_store(init.compilation_cache_dir))
+            self.functions = self.compile_report.functions
             self.guard.arm()
         self.geometry = Geometry(num_kv_blocks=int(num_blocks), block_size=init.block_size,
                                  max_model_len=max_model_len, vocab_size=config.vocab_size,
@@ -195,9 +199,10 @@ class InProcessWorker:
         attention = AttentionMetadata(slot_mapping=body.slot_mapping, block_table=body.block_table,
                                       seq_lens=body.seq_lens, query_start_loc=body.query_start_loc)
         dispatched = time.perf_counter()
-        hidden, self.kv_cache = mr.run_body(
-            self.graphdef, self.state, self.kv_cache, body.input_ids, body.positions, attention,
-            body.logits_indices, backend=self.backend)
+        hidden, self.kv_cache = self._call(
+            f"body[T={t}]", functools.partial(mr.run_body, self.graphdef, backend=self.backend),
+            self.state, self.kv_cache, body.input_ids, body.positions, attention,
+            body.logits_indices)
         if not r:
             hidden.block_until_ready()
             return (StepResult(plan.step_id, np.zeros(0, np.int32)),
@@ -211,16 +216,20 @@ class InProcessWorker:
         padded[:s] = sample_rows
         penalized = bool(rows.has_penalty[padded].any())
         if penalized:
-            mask, counts = mr.gather_penalty_rows(self.prompt_mask, self.output_counts, padded)
+            mask, counts = self._call(f"gather_penalty_rows[R={r}]", mr.gather_penalty_rows,
+                                      self.prompt_mask, self.output_counts, padded)
         else:
             if r not in self._zeros:
-                self._zeros[r] = mr.penalty_zeros(num_rows=r, vocab_size=rows.vocab_size)
+                self._zeros[r] = self._call(f"penalty_zeros[R={r}]", functools.partial(
+                    mr.penalty_zeros, num_rows=r, vocab_size=rows.vocab_size))
             mask, counts = self._zeros[r]
         metadata = prepare_sampling(rows, sample_rows, r, mask, counts, MAX_LOGPROBS)
         key = np.array([self.init.seed & 0xFFFFFFFF, plan.step_id & 0xFFFFFFFF], np.uint32)
-        out = mr.run_sampler(self.graphdef, self.state, hidden, metadata, key)
+        out = self._call(f"sampler[R={r}]", functools.partial(mr.run_sampler, self.graphdef),
+                         self.state, hidden, metadata, key)
         if penalized:
-            self.output_counts = mr.add_output_counts(self.output_counts, padded, out.token_ids)
+            self.output_counts = self._call(f"add_output_counts[R={r}]", mr.add_output_counts,
+                                            self.output_counts, padded, out.token_ids)
         token_ids = np.asarray(out.token_ids)[:s]
         rows.append_sampled(sample_rows, token_ids)
         if not (metadata.num_logprobs[:s] >= 0).any():
@@ -232,8 +241,17 @@ class InProcessWorker:
                            top_lp[:s]), device_seconds)
 
     def _set_penalty_row(self, row: int, mask_row: np.ndarray, counts_row: np.ndarray) -> None:
+        m = self.rows.max_num_seqs
         if self.prompt_mask is None:
-            self.prompt_mask, self.output_counts = mr.penalty_zeros(
-                num_rows=self.rows.max_num_seqs, vocab_size=self.rows.vocab_size)
-        self.prompt_mask, self.output_counts = mr.set_penalty_row(
-            self.prompt_mask, self.output_counts, np.int32(row), mask_row, counts_row)
+            name = f"penalty_zeros[R={m}]" if m in self.request_buckets else f"penalty_zeros[M={m}]"
+            self.prompt_mask, self.output_counts = self._call(name, functools.partial(
+                mr.penalty_zeros, num_rows=m, vocab_size=self.rows.vocab_size))
+        self.prompt_mask, self.output_counts = self._call(
+            "set_penalty_row", mr.set_penalty_row, self.prompt_mask, self.output_counts,
+            np.int32(row), mask_row, counts_row)
+
+    def _call(self, name: str, jitted, *args):
+        """Runs ladder executable ``name``: the ``StepFunction`` compiled at start-up, or —
+        with ``WorkerInit.precompile`` off — the jitted function, compiled on first use."""
+        function = self.functions.get(name)
+        return function(*args) if function is not None else jitted(*args)

@@ -200,7 +200,10 @@ def serve(address: str, *, exit_with_parent: bool = False,
     """
     from jaxserve.worker.in_process import InProcessWorker  # jax, flax, the model code
 
-    from transformers import AutoConfig  # noqa: F401 - the config reader (imports torch: seconds)
+    # The config reader and the supported architectures' config classes: imported
+    # here, at process start, rather than inside Initialize (torch alone takes ~2 s).
+    from transformers import (AutoConfig, LlamaConfig, MistralConfig,  # noqa: F401
+                              Qwen2Config, Qwen3Config)
 
     stop = threading.Event()
     health_servicer = health.HealthServicer()

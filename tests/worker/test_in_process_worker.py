@@ -151,24 +151,25 @@ def test_seeded_sampling_is_independent_of_batch_and_preemption(tiny):
 
 
 def test_only_ladder_shapes_reach_the_executables(tiny, monkeypatch):
-    """500 random requests: every compiled-function call has a ladder shape."""
-    from jaxserve.worker import model_runner
+    """500 random requests: every executable call has a ladder shape."""
+    from jaxserve.worker.in_process import InProcessWorker
 
     _, loaded = tiny
     shapes = set()
-    body, sampler = model_runner.run_body, model_runner.run_sampler
+    run = InProcessWorker._call
 
-    def spy_body(graphdef, state, kv_cache, input_ids, positions, metadata, logits_indices, **kw):
-        shapes.add(("T", input_ids.shape[0], metadata.block_table.shape))
-        return body(graphdef, state, kv_cache, input_ids, positions, metadata, logits_indices,
-                    **kw)
+    def spy(self, name, jitted, *args):
+        if name.startswith("body["):
+            _, _, input_ids, _, metadata, _ = args
+            shapes.add(("T", input_ids.shape[0], metadata.block_table.shape))
+        elif name.startswith("sampler["):
+            _, hidden, metadata, _ = args
+            shapes.add(("R", metadata.temperature.shape[0], metadata.prompt_mask.shape,
+                        hidden.shape))
+        assert name in self.functions, f"{name} was not compiled at start-up"
+        return run(self, name, jitted, *args)
 
-    def spy_sampler(graphdef, state, hidden, metadata, key):
-        shapes.add(("R", metadata.temperature.shape[0], metadata.prompt_mask.shape, hidden.shape))
-        return sampler(graphdef, state, hidden, metadata, key)
-
-    monkeypatch.setattr(model_runner, "run_body", spy_body)
-    monkeypatch.setattr(model_runner, "run_sampler", spy_sampler)
+    monkeypatch.setattr(InProcessWorker, "_call", spy)
     t_ladder, r_ladder = (1, 4, 8, 16, 32, 64, 128), (1, 2, 4, 8, 16, 32)
     engine = _engine(loaded, budget=128, max_num_seqs=32, num_blocks=400,
                      token_buckets=t_ladder, request_buckets=r_ladder)
