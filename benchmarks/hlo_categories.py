@@ -47,6 +47,9 @@ _FRAME = re.compile(r"stack_frame_id=(\d+)")
 _FIELD = re.compile(r"(\w+)=(\d+)")
 _COMP_START = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
 _TOKENS = re.compile(r"input_ids[\w.]*: s32\[(\d+)\]")
+# The worker's compiled step functions are named after their executable
+# ("body[T=64]" → module jit_body_T64; jaxserve/worker/compile_manager.py).
+_BODY_MODULE = re.compile(r"^jit_body_T(\d+)\b")
 
 _ATTN_NAME = re.compile(r"(^|[/(])(ragged_)?paged_attention\w*|(^|/)attention(/|$)")
 _KV_NAME = re.compile(r"(^|/)(kv_write|write_kv)(/|$)")
@@ -64,7 +67,7 @@ class Instruction:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class HloModule:
-    """One optimized module: name, T (``input_ids`` length, if any), instruction categories."""
+    """One optimized module: name, T (``input_ids`` length or the body's module name), categories."""
 
     name: str
     num_tokens: int | None
@@ -119,7 +122,7 @@ def parse(text: str) -> tuple[str, dict[str, list[Instruction]], dict[str, Instr
             if start is not None:
                 current = computations.setdefault(start.group(1), [])
                 if line.startswith("ENTRY"):
-                    tokens = _TOKENS.search(line)
+                    tokens = _TOKENS.search(line) or _BODY_MODULE.search(module)
                     num_tokens = int(tokens.group(1)) if tokens else None
             continue
         if line.startswith("}"):

@@ -36,6 +36,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -176,7 +177,16 @@ def _flat(exe: StepExecutable) -> tuple[Callable, list, Any, tuple[int, ...], li
         out_tree_cell[:] = [out_tree]
         return out_leaves
 
-    return flat_fn, specs, in_tree, tuple(donated), out_tree_cell
+    return _named(flat_fn, exe.name), specs, in_tree, tuple(donated), out_tree_cell
+
+
+def _named(fn: Callable, executable_name: str) -> Callable:
+    """``fn`` renamed after the executable: "body[T=64]" → XLA module ``jit_body_T64``.
+
+    Profiles identify steps by these module names (benchmarks/hlo_categories.py).
+    """
+    fn.__name__ = fn.__qualname__ = re.sub(r"\W+", "_", executable_name.replace("=", "")).strip("_")
+    return fn
 
 
 def _compile_one(exe: StepExecutable, store: ProgramStore | None) -> tuple[StepFunction, bool]:
@@ -186,7 +196,8 @@ def _compile_one(exe: StepExecutable, store: ProgramStore | None) -> tuple[StepF
     stored = store.load(key) if key is not None else None
     if stored is not None:
         program, out_tree = stored
-        compiled = jax.jit(program.call, donate_argnums=donated).lower(*specs).compile()
+        compiled = jax.jit(_program_call(program, exe.name),
+                           donate_argnums=donated).lower(*specs).compile()
         return StepFunction(exe.name, compiled, in_tree, out_tree), True
     jitted = jax.jit(flat_fn, donate_argnums=donated)
     if key is None:
@@ -196,8 +207,16 @@ def _compile_one(exe: StepExecutable, store: ProgramStore | None) -> tuple[StepF
     store.save(key, program, out_tree_cell[0])
     # Compile the program exactly as a restart will, so that the restart is a
     # persistent-cache hit.
-    compiled = jax.jit(program.call, donate_argnums=donated).lower(*specs).compile()
+    compiled = jax.jit(_program_call(program, exe.name),
+                       donate_argnums=donated).lower(*specs).compile()
     return StepFunction(exe.name, compiled, in_tree, out_tree_cell[0]), False
+
+
+def _program_call(program, executable_name: str) -> Callable:
+    def call(*flat_args):
+        return program.call(*flat_args)
+
+    return _named(call, executable_name)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
