@@ -52,6 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=64,
                         help="the engine's rows (attention metadata is padded to it; default 64)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--scan-layers", action="store_true",
+                        help="run the layers with jax.lax.scan over stacked weights")
     parser.add_argument("--profile", default=None, metavar="DIR",
                         help="profile the timed decode steps into DIR and print the breakdown")
 
@@ -185,8 +187,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model_dir = str(common.resolve_model(args.model))
     weights = weight_bytes(model_dir)
     options = jaxserve_leg.EngineOptions(max_num_seqs=args.max_num_seqs,
-                                         max_num_batched_tokens=args.max_num_batched_tokens)
+                                         max_num_batched_tokens=args.max_num_batched_tokens,
+                                         scan_layers=args.scan_layers)
+    start = time.perf_counter()
     llm = jaxserve_leg.make_llm(model_dir, args.tokenizer, options, profiled=bool(args.profile))
+    startup_s = time.perf_counter() - start
     try:
         bandwidth_before = measure_bandwidth(args.bandwidth_mib, args.bandwidth_reps)
         decode = decode_steps(llm, args.prompt_len, args.warmup_steps, args.steps, args.seed,
@@ -200,7 +205,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {"benchmark": NAME, "args": vars(args), "environment": common.environment(),
             "engine_options": options.as_dict(), "weights": weights,
             "bandwidth": {"before": bandwidth_before, "after": bandwidth_after, "best_gb_s": best},
-            "floor_ms": floor_ms, "decode": decode,
+            "floor_ms": floor_ms, "decode": decode, "startup_s": startup_s,
             "roofline_ratio": floor_ms / step_ms,
             "roofline_ratio_best_step": floor_ms / decode["step_ms"]["min"],
             "tokens_per_s": 1e3 / step_ms, "floor_tokens_per_s": 1e3 / floor_ms}
@@ -208,7 +213,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def report(result: dict[str, Any]) -> str:
     w, b, d = result["weights"], result["bandwidth"], result["decode"]
-    lines = [f"decode roofline (batch 1, load average {result['environment']['load_average']}):",
+    scan = " scanned layers," if result["engine_options"].get("scan_layers") else ""
+    lines = [f"decode roofline (batch 1,{scan} load average "
+             f"{result['environment']['load_average']}; engine start-up "
+             f"{result.get('startup_s', float('nan')):.1f} s):",
              f"  weights read per step  {w['decode_bytes'] / 1e6:8.1f} MB",
              f"  bandwidth (best)       {b['best_gb_s']:8.1f} GB/s  ("
              + ", ".join(f"{k} {b['before'][k + '_gb_s']:.1f} / {b['after'][k + '_gb_s']:.1f}"

@@ -32,6 +32,7 @@ class EngineOptions:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     dtype: str = "float32"
+    scan_layers: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -53,7 +54,7 @@ def make_llm(model: str | None, tokenizer: str | None, options: EngineOptions, *
                block_size=options.block_size, kv_cache_bytes=options.kv_cache_bytes,
                max_model_len=options.max_model_len,
                enable_prefix_caching=options.enable_prefix_caching, dtype=options.dtype,
-               worker=worker)
+               scan_layers=options.scan_layers, worker=worker)
 
 
 def warm_up(llm, workload: Workload, seed: int) -> float:

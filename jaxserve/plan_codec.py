@@ -71,7 +71,8 @@ def init_to_proto(init: WorkerInit) -> wpb.InitializeRequest:
         dtype=init.dtype, block_size=init.block_size, max_num_seqs=init.max_num_seqs,
         token_buckets=list(init.token_buckets), request_buckets=list(init.request_buckets),
         seed_json=json.dumps(int(init.seed)), memory_utilization=init.memory_utilization,
-        precompile=init.precompile, strict_recompile=init.strict_recompile)
+        precompile=init.precompile, strict_recompile=init.strict_recompile,
+        scan_layers=init.scan_layers)
     for field in ("model", "num_kv_blocks", "kv_cache_bytes", "max_model_len",
                   "attention_backend", "compilation_cache_dir"):
         value = getattr(init, field)
@@ -90,7 +91,7 @@ def init_from_proto(msg: wpb.InitializeRequest) -> WorkerInit:
         attention_backend=opt("attention_backend"), seed=int(json.loads(msg.seed_json)),
         memory_utilization=msg.memory_utilization, precompile=msg.precompile,
         strict_recompile=msg.strict_recompile,
-        compilation_cache_dir=opt("compilation_cache_dir"))
+        compilation_cache_dir=opt("compilation_cache_dir"), scan_layers=msg.scan_layers)
 
 
 def geometry_to_proto(g: Geometry) -> wpb.Geometry:

@@ -153,6 +153,8 @@ class EngineConfig:
       async_scheduling: plan step N + 1 while the worker runs step N
         (``jaxserve.engine.core``).
       compile: see ``CompileConfig``.
+      scan_layers: the worker runs the layers with ``jax.lax.scan``
+        (``WorkerInit.scan_layers``).
       eos_token_ids: filled from the worker's geometry by ``resolved``.
     """
 
@@ -165,6 +167,7 @@ class EngineConfig:
     seed: int = 0
     async_scheduling: bool = False
     compile: CompileConfig = dataclasses.field(default_factory=CompileConfig)
+    scan_layers: bool = False
     eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
@@ -182,7 +185,7 @@ class EngineConfig:
             attention_backend=self.attention_backend, seed=self.seed,
             memory_utilization=self.cache.memory_utilization,
             precompile=self.compile.precompile, strict_recompile=self.compile.strict_recompile,
-            compilation_cache_dir=self.compile.cache_dir)
+            compilation_cache_dir=self.compile.cache_dir, scan_layers=self.scan_layers)
 
     def resolved(self, geometry: Geometry) -> "EngineConfig":
         """A new config with the worker's geometry filled in.

@@ -216,6 +216,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="plan step N + 1 while the worker runs step N (default on: it hides "
                              "the engine's CPU time and the gRPC hop behind the device; measured "
                              "in docs/worker.md)")
+    parser.add_argument("--scan-layers", action="store_true",
+                        help="run the layers with jax.lax.scan over stacked weights: compiles "
+                             "~7x faster, decodes slower on the CPU (docs/model.md)")
 
 
 def engine_flags(args: argparse.Namespace) -> list[str]:
@@ -234,6 +237,8 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
     if args.no_chunked_prefill:
         flags.append("--no-chunked-prefill")
     flags.append("--async-scheduling" if args.async_scheduling else "--no-async-scheduling")
+    if args.scan_layers:
+        flags.append("--scan-layers")
     return flags
 
 
@@ -248,7 +253,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                           enable_prefix_caching=not args.no_prefix_caching,
                           **({} if args.kv_cache_bytes is None
                              else {"kv_cache_bytes": args.kv_cache_bytes})),
-        seed=args.seed, async_scheduling=args.async_scheduling)
+        seed=args.seed, async_scheduling=args.async_scheduling, scan_layers=args.scan_layers)
 
 
 def _make_worker(args: argparse.Namespace):

@@ -1,7 +1,8 @@
 """The physical paged KV cache: per-layer arrays, written through a slot mapping.
 
 Layout (docs/kv_cache.md): for each layer, ``k`` and ``v`` are ``[B, K, S, H]``
-(blocks, KV heads, block slots, head dim). Slot ``s`` is block ``s // S``,
+(blocks, KV heads, block slots, head dim); a model built with
+``scan_layers`` keeps them stacked, one ``[L, B, K, S, H]`` array each. Slot ``s`` is block ``s // S``,
 offset ``s % S``. Block 0 is the *null block*: padding tokens write there and
 block tables are padded with it, so the engine never hands it to a request
 (``NULL_BLOCK``).
@@ -24,18 +25,25 @@ NULL_BLOCK = 0  # reserved: scratch target of padding tokens, never allocated
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    """Per-layer K and V arrays, each ``[B, K, S, H]`` in the cache dtype."""
+    """Per-layer K and V arrays, each ``[B, K, S, H]`` in the cache dtype.
 
-    k: tuple[jax.Array, ...]  # L × [B, K, S, H]
-    v: tuple[jax.Array, ...]  # L × [B, K, S, H]
+    Stacked (``scan_layers``): one ``[L, B, K, S, H]`` array each.
+    """
+
+    k: tuple[jax.Array, ...]  # L × [B, K, S, H], or 1 × [L, B, K, S, H]
+    v: tuple[jax.Array, ...]  # likewise
 
     @property
     def num_blocks(self) -> int:
-        return self.k[0].shape[0]
+        return self.k[0].shape[-4]
 
     @property
     def block_size(self) -> int:
-        return self.k[0].shape[2]
+        return self.k[0].shape[-2]
+
+    @property
+    def stacked(self) -> bool:
+        return self.k[0].ndim == 5
 
     def replace_layer(self, layer: int, k: jax.Array, v: jax.Array) -> "KVCache":
         """Returns a cache with layer ``layer`` replaced (trace-time helper)."""
@@ -50,9 +58,23 @@ def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: jnp.dt
             * jnp.dtype(dtype).itemsize)
 
 
+def kv_cache_shapes(config: ModelConfig, num_blocks: int, block_size: int,
+                    dtype: jnp.dtype = jnp.float32, stacked: bool = False) -> KVCache:
+    """The cache's ``jax.ShapeDtypeStruct``s (allocates nothing); see ``init_kv_cache``."""
+    shape = (num_blocks, config.num_kv_heads, block_size, config.head_dim)
+    if stacked:
+        spec = jax.ShapeDtypeStruct((config.num_layers,) + shape, dtype)
+        return KVCache(k=(spec,), v=(spec,))
+    spec = jax.ShapeDtypeStruct(shape, dtype)
+    return KVCache(k=(spec,) * config.num_layers, v=(spec,) * config.num_layers)
+
+
 def init_kv_cache(config: ModelConfig, num_blocks: int, block_size: int,
-                  dtype: jnp.dtype = jnp.float32) -> KVCache:
+                  dtype: jnp.dtype = jnp.float32, stacked: bool = False) -> KVCache:
     """Allocates a zeroed cache of ``num_blocks`` blocks (block 0 is the null block).
+
+    ``stacked``: one ``[L, B, K, S, H]`` array for K and one for V, as a
+    model built with ``scan_layers`` needs; otherwise L arrays ``[B, K, S, H]``.
 
     Raises:
       ValueError: num_blocks < 2 or block_size < 1.
@@ -61,10 +83,8 @@ def init_kv_cache(config: ModelConfig, num_blocks: int, block_size: int,
         raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
-    shape = (num_blocks, config.num_kv_heads, block_size, config.head_dim)
-    zeros = lambda: jnp.zeros(shape, dtype)  # noqa: E731
-    return KVCache(k=tuple(zeros() for _ in range(config.num_layers)),
-                   v=tuple(zeros() for _ in range(config.num_layers)))
+    specs = kv_cache_shapes(config, num_blocks, block_size, dtype, stacked)
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), specs)
 
 
 def write_kv(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,

@@ -6,6 +6,14 @@ per-head RMSNorm on q and k), ``sliding_window`` (Mistral) and
 ``tie_word_embeddings``. Source of the maths: transformers'
 ``modeling_llama.py`` / ``modeling_qwen2.py`` / ``modeling_qwen3.py``.
 
+With ``scan_layers`` the decoder layers are one ``DecoderLayer`` whose
+parameters are stacked on a leading ``[L]`` axis, run by ``jax.lax.scan``
+over a stacked KV cache (``KVCache`` with one ``[L, B, K, S, H]`` array for
+K and one for V). Scanning compiles one layer instead of L — about 7× faster
+compiles — but on the CPU it decodes slower (XLA copies each layer's weights
+out of the stack every step; ../shared/CPU_PERF.md): a switch, off by
+default, chosen per backend by measurement (docs/model.md).
+
 Projections are fused at load time: ``qkv_proj`` is ``[D, (N + 2K)·H]`` and
 ``gate_up_proj`` is ``[D, 2F]`` — one matrix product each instead of three and
 two, which matters at batch 1 on the CPU, where every product streams its
@@ -111,17 +119,38 @@ class DecoderLayer(nnx.Module):
         return x, k_cache, v_cache
 
 
+def _stacked_layers(config: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs) -> DecoderLayer:
+    """One DecoderLayer whose every parameter is the L layers' stacked on axis 0."""
+    layers = [DecoderLayer(config, dtype, rngs) for _ in range(config.num_layers)]
+    graphdef, first = nnx.split(layers[0])
+    states = [first] + [nnx.state(layer) for layer in layers[1:]]
+    return nnx.merge(graphdef, jax.tree.map(lambda *xs: jnp.stack(xs), *states))
+
+
 class CausalLM(nnx.Module):
     """A Llama-family decoder with its LM head.
 
     ``__call__`` runs the body over the step's T tokens and returns the final
     hidden states; ``logits`` projects selected rows to the vocabulary.
+
+    Args:
+      config: the architecture.
+      dtype: parameter dtype.
+      rngs: initialisation keys (random models; the loader builds abstractly).
+      scan_layers: stack the layers and run them with ``jax.lax.scan``; the
+        KV cache must then be stacked too (``init_kv_cache(..., stacked=True)``).
     """
 
-    def __init__(self, config: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs,
+                 scan_layers: bool = False):
         self.config = config
+        self.scan_layers = scan_layers
         self.embed = _param(rngs, (config.vocab_size, config.hidden_size), dtype)  # [V, D]
-        self.layers = nnx.List([DecoderLayer(config, dtype, rngs) for _ in range(config.num_layers)])
+        if scan_layers:
+            self.layers = _stacked_layers(config, dtype, rngs)  # every parameter [L, ...]
+        else:
+            self.layers = nnx.List([DecoderLayer(config, dtype, rngs)
+                                    for _ in range(config.num_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.lm_head = (None if config.tie_word_embeddings
                         else _param(rngs, (config.hidden_size, config.vocab_size), dtype))  # [D, V]
@@ -131,10 +160,42 @@ class CausalLM(nnx.Module):
         """input_ids, positions: i32[T] → (hidden [T, D] after the final norm, kv_cache)."""
         x = jnp.take(self.embed[...], input_ids, axis=0)  # [T, D]
         cos, sin = rope.rope_cos_sin(positions, rope.inverse_frequencies(self.config))
+        if self.scan_layers:
+            return self._scan_layers(x, cos, sin, kv_cache, metadata, backend)
         ks, vs = list(kv_cache.k), list(kv_cache.v)
         for i, layer in enumerate(self.layers):
             x, ks[i], vs[i] = layer(x, cos, sin, ks[i], vs[i], metadata, backend)
         return self.norm(x), KVCache(k=tuple(ks), v=tuple(vs))
+
+    def _scan_layers(self, x, cos, sin, kv_cache: KVCache, metadata: AttentionMetadata,
+                     backend: str) -> tuple[jax.Array, KVCache]:
+        """The layers by ``jax.lax.scan`` over the stacked parameters and cache.
+
+        Layer ``i`` sees the stacked cache ``[L, B, K, S, H]`` as one
+        ``[L·B, K, S, H]`` cache (a free reshape) through block ids shifted by
+        ``i·B`` — block table and slot mapping alike — so attention and the KV
+        write need no layer argument and the cache is updated in place.
+        """
+        (k_all,), (v_all,) = kv_cache.k, kv_cache.v
+        num_layers, num_blocks, num_kv_heads, block_size, head_dim = k_all.shape
+        flat = (num_layers * num_blocks, num_kv_heads, block_size, head_dim)
+        graphdef, params = nnx.split(self.layers)
+
+        def one_layer(carry, xs):
+            h, k_cache, v_cache = carry
+            layer_params, i = xs
+            layer = nnx.merge(graphdef, layer_params)
+            shifted = AttentionMetadata(
+                slot_mapping=metadata.slot_mapping + i * (num_blocks * block_size),
+                block_table=metadata.block_table + i * num_blocks,
+                seq_lens=metadata.seq_lens, query_start_loc=metadata.query_start_loc)
+            return layer(h, cos, sin, k_cache, v_cache, shifted, backend), None
+
+        (x, k_flat, v_flat), _ = jax.lax.scan(
+            one_layer, (x, k_all.reshape(flat), v_all.reshape(flat)),
+            (params, jnp.arange(num_layers, dtype=jnp.int32)))
+        return self.norm(x), KVCache(k=(k_flat.reshape(k_all.shape),),
+                                     v=(v_flat.reshape(v_all.shape),))
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """hidden [R, D] → f32[R, V]."""

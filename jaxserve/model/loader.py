@@ -5,7 +5,9 @@ memory), then every parameter is filled from safetensors through a
 declarative table (``_hf_sources``): parameter path → Hugging Face tensor
 names + how to combine them. Tensors are read one at a time (memory-mapped
 by safetensors), cast to the target dtype and placed on the device, so the
-host never holds a second full copy of the weights.
+host never holds a second full copy of the weights. With ``scan_layers`` each
+stacked ``[L, ...]`` parameter is filled layer by layer into one array (a
+transient second copy of that one parameter, never of the model).
 """
 
 from __future__ import annotations
@@ -110,20 +112,40 @@ class _SafetensorsIndex:
         return self._handles[self.weight_map[name]].get_tensor(name)
 
 
-def abstract_model(config: ModelConfig, dtype: jnp.dtype) -> tuple[StaticGraph, dict]:
+def abstract_model(config: ModelConfig, dtype: jnp.dtype, scan_layers: bool = False
+                   ) -> tuple[StaticGraph, dict]:
     """(graph, parameters as a pure dict of ShapeDtypeStructs) of CausalLM, allocating nothing."""
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: CausalLM(config, dtype, nnx.Rngs(0))))
+    graphdef, state = nnx.split(nnx.eval_shape(
+        lambda: CausalLM(config, dtype, nnx.Rngs(0), scan_layers=scan_layers)))
     return StaticGraph(graphdef), nnx.to_pure_dict(state)
 
 
+def is_scanned(params: dict) -> bool:
+    """Whether ``params`` (a pure dict) is of a model built with ``scan_layers``."""
+    return 0 not in params["layers"]
+
+
+def _read_param(index: "_SafetensorsIndex", param_path: tuple, dtype: jnp.dtype,
+                num_layers: int, scanned: bool) -> tuple[jax.Array, list[str]]:
+    """One parameter from the checkpoint (stacked over the layers when scanned)."""
+    if scanned and param_path[0] == "layers":
+        parts = [_read_param(index, ("layers", i, *param_path[1:]), dtype, num_layers, False)
+                 for i in range(num_layers)]
+        return jnp.stack([v for v, _ in parts]), [n for _, names in parts for n in names]
+    names, combine = _hf_sources(param_path)
+    return combine(*(index.get(n).astype(jnp.float32) for n in names)).astype(dtype), names
+
+
 def load_model(model_dir: str | os.PathLike | None = None, dtype: str | jnp.dtype = "float32",
-               ) -> tuple[ModelConfig, StaticGraph, dict]:
+               scan_layers: bool = False) -> tuple[ModelConfig, StaticGraph, dict]:
     """Loads a Hugging Face Llama-family directory.
 
     Args:
       model_dir: a directory with config.json and *.safetensors; None = the
         demo model (built on first use, see ``jaxserve download-demo``).
       dtype: parameter dtype, "float32" (CPU default) or "bfloat16".
+      scan_layers: build the scanned model (stacked layers, see
+        ``jaxserve.model.llama``); its KV cache must be stacked too.
 
     Returns:
       (config, graph, params): ``graph.merge(params)`` is the model; ``params``
@@ -145,12 +167,12 @@ def load_model(model_dir: str | os.PathLike | None = None, dtype: str | jnp.dtyp
     dtype = resolve_dtype(dtype)
     config = ModelConfig.from_pretrained(path)
     start = time.perf_counter()
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: CausalLM(config, dtype, nnx.Rngs(0))))
+    graphdef, state = nnx.split(nnx.eval_shape(
+        lambda: CausalLM(config, dtype, nnx.Rngs(0), scan_layers=scan_layers)))
     index = _SafetensorsIndex(path)
     filled = {}
     for param_path, abstract in state.flat_state():
-        names, combine = _hf_sources(param_path)
-        value = combine(*(index.get(n).astype(jnp.float32) for n in names)).astype(dtype)
+        value, names = _read_param(index, param_path, dtype, config.num_layers, scan_layers)
         if value.shape != abstract.shape:
             raise ValueError(
                 f"{'.'.join(map(str, param_path))} from {names}: shape {value.shape}, "

@@ -37,8 +37,9 @@ import jax
 import numpy as np
 
 from jaxserve.model.attention import AttentionMetadata, default_backend
-from jaxserve.model.kv_cache import KVCache, init_kv_cache, kv_cache_bytes_per_block
-from jaxserve.model.loader import load_model, resolve_dtype
+from jaxserve.model.kv_cache import (KVCache, init_kv_cache, kv_cache_bytes_per_block,
+                                      kv_cache_shapes)
+from jaxserve.model.loader import is_scanned, load_model, resolve_dtype
 from jaxserve.sampling_params import MAX_LOGPROBS
 from jaxserve.step_plan import Geometry, StepPlan, StepResult, WorkerInit, WorkerStatus
 from jaxserve.worker import model_runner as mr
@@ -87,8 +88,11 @@ class InProcessWorker:
                              f"{init.max_num_seqs}")
         configure_persistent_cache(init.compilation_cache_dir)
         if self._loaded is None:
-            self._loaded = load_model(init.model, init.dtype)
+            self._loaded = load_model(init.model, init.dtype, scan_layers=init.scan_layers)
         config, self.graphdef, self.state = self._loaded
+        if is_scanned(self.state) != init.scan_layers:
+            raise ValueError(f"scan_layers={init.scan_layers} but the given model was loaded "
+                             f"with scan_layers={is_scanned(self.state)}")
         dtype = resolve_dtype(init.dtype)
         self.model_config, self.init = config, init
         max_len = config.max_position_embeddings
@@ -106,7 +110,8 @@ class InProcessWorker:
             activation_bytes=lambda: self._activation_bytes(shapes(self._kv_spec(2, dtype))))
         if num_blocks < 2:
             raise ValueError(f"the KV cache must have >= 2 blocks, got {num_blocks}")
-        self.kv_cache = init_kv_cache(config, num_blocks, init.block_size, dtype)
+        self.kv_cache = init_kv_cache(config, num_blocks, init.block_size, dtype,
+                                      stacked=init.scan_layers)
         self.token_buckets = frozenset(init.token_buckets)
         self.request_buckets = frozenset(init.request_buckets)
         self.prompt_mask = self.output_counts = None  # [M, V] on device, on first penalty row
@@ -129,10 +134,8 @@ class InProcessWorker:
         return self.geometry
 
     def _kv_spec(self, num_blocks: int, dtype) -> KVCache:
-        c = self.model_config
-        spec = jax.ShapeDtypeStruct((num_blocks, c.num_kv_heads, self.init.block_size,
-                                     c.head_dim), dtype)
-        return KVCache(k=(spec,) * c.num_layers, v=(spec,) * c.num_layers)
+        return kv_cache_shapes(self.model_config, num_blocks, self.init.block_size, dtype,
+                               stacked=self.init.scan_layers)
 
     def _activation_bytes(self, shapes: LadderShapes) -> int:
         """Peak temporaries of the largest-T body and largest-R sampler (compiled for it)."""

@@ -38,10 +38,13 @@ LONG = dict(max_tokens=2000, ignore_eos=True, temperature=0.0)
 
 
 def _children(pid: int) -> list[int]:
-    """The direct children of ``pid`` (Linux /proc)."""
+    """The direct children of ``pid`` (Linux /proc); a thread may end while it is read."""
     out = []
     for task in pathlib.Path(f"/proc/{pid}/task").iterdir():
-        out += [int(c) for c in (task / "children").read_text().split()]
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # the thread exited between the listing and the read
     return out
 
 

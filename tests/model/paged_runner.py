@@ -15,6 +15,7 @@ import numpy as np
 from jaxserve.model.attention import AttentionMetadata
 from jaxserve.model.forward import StepInputs, forward
 from jaxserve.model.kv_cache import NULL_BLOCK, init_kv_cache
+from jaxserve.model.loader import is_scanned
 
 
 @dataclasses.dataclass
@@ -42,7 +43,7 @@ class PagedRunner:
         self.block_size, self.max_blocks, self.rows, self.backend = block_size, max_blocks, rows, backend
         rng = np.random.default_rng(seed)
         self.free = [int(b) for b in rng.permutation(np.arange(1, num_blocks))]
-        cache = init_kv_cache(config, num_blocks, block_size, cache_dtype)
+        cache = init_kv_cache(config, num_blocks, block_size, cache_dtype, stacked=is_scanned(state))
         # Poison every slot: anything read before it is written shows up as NaN.
         self.kv_cache = type(cache)(k=tuple(jnp.full_like(k, jnp.nan) for k in cache.k),
                                     v=tuple(jnp.full_like(v, jnp.nan) for v in cache.v))

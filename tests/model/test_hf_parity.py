@@ -2,7 +2,8 @@
 
 Each of the four architectures, tiny random weights (tests/model/hf_tiny.py),
 through the paged cache: a 37-token prompt in one prefill step, then 10
-single-token decode steps. Bound: max |Δlogit| <= 1e-4 (float32 round-off of
+single-token decode steps, with the layers unrolled and scanned
+(``scan_layers``). Bound: max |Δlogit| <= 1e-4 (float32 round-off of
 two independent implementations; observed ~3e-5).
 """
 
@@ -16,10 +17,11 @@ from tests.model.paged_runner import PagedRunner
 TOL = 1e-4
 
 
+@pytest.mark.parametrize("scan_layers", [False, True], ids=["unrolled", "scanned"])
 @pytest.mark.parametrize("arch", sorted(ARCHS))
-def test_prefill_then_decode_matches_transformers(arch, tmp_path):
+def test_prefill_then_decode_matches_transformers(arch, scan_layers, tmp_path):
     hf_model = make_tiny_model(arch, tmp_path)
-    config, graphdef, state = load_model(tmp_path, "float32")
+    config, graphdef, state = load_model(tmp_path, "float32", scan_layers=scan_layers)
     assert config.architecture == arch
     tokens = np.random.default_rng(7).integers(0, config.vocab_size, 47).tolist()
     expected = hf_logits(hf_model, tokens)  # [47, V]

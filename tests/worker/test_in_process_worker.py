@@ -29,13 +29,13 @@ MAX_LEN = 128
 def tiny(tmp_path_factory):
     directory = tmp_path_factory.mktemp("tiny_llama")
     hf = make_tiny_model("LlamaForCausalLM", directory, seed=7)
-    return hf, load_model(directory, "float32")
+    return hf, load_model(directory, "float32"), directory
 
 
 def _engine(loaded, budget=32, num_blocks=200, caching=True, max_num_seqs=8, block_size=4,
-            **sched):
+            scan_layers=False, **sched):
     config = EngineConfig(
-        max_model_len=MAX_LEN, seed=5,
+        max_model_len=MAX_LEN, seed=5, scan_layers=scan_layers,
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                                   **sched),
         cache=CacheConfig(block_size=block_size, num_kv_blocks=num_blocks,
@@ -88,16 +88,20 @@ def _prompts(seed, num=8):
             for i in range(num)]
 
 
-@pytest.mark.parametrize("variant", ["cached", "no_cache_budget_8", "tiny_cache"])
+@pytest.mark.parametrize("variant", ["cached", "no_cache_budget_8", "tiny_cache",
+                                     "scanned_tiny_cache"])
 def test_greedy_tokens_and_logprobs_equal_transformers(tiny, variant):
-    hf, loaded = tiny
+    hf, loaded, directory = tiny
     kwargs = {"cached": dict(), "no_cache_budget_8": dict(caching=False, budget=8),
-              "tiny_cache": dict(num_blocks=MAX_LEN // 4 + 1)}[variant]
+              "tiny_cache": dict(num_blocks=MAX_LEN // 4 + 1),
+              "scanned_tiny_cache": dict(num_blocks=MAX_LEN // 4 + 1, scan_layers=True)}[variant]
+    if kwargs.get("scan_layers"):  # stacked weights and KV cache, jax.lax.scan over layers
+        loaded = load_model(directory, "float32", scan_layers=True)
     engine = _engine(loaded, **kwargs)
     prompts = _prompts(1)
     sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
     tokens, logprobs = _run(engine, [(f"p{i}", p, sp) for i, p in enumerate(prompts)])
-    if variant == "tiny_cache":
+    if variant.endswith("tiny_cache"):
         assert engine.stats().num_preemptions > 0
     for i, prompt in enumerate(prompts):
         want, raw = _hf_greedy(hf, prompt, 6)
@@ -111,7 +115,7 @@ def test_greedy_tokens_and_logprobs_equal_transformers(tiny, variant):
 
 
 def test_penalties_and_min_tokens_follow_the_reference_across_preemption(tiny):
-    hf, loaded = tiny
+    hf, loaded, _ = tiny
     prompts = _prompts(2, num=6)
     greedy_first = _hf_greedy(hf, prompts[1], 1)[0][0]
     pen = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True,
@@ -132,7 +136,7 @@ def test_penalties_and_min_tokens_follow_the_reference_across_preemption(tiny):
 
 
 def test_seeded_sampling_is_independent_of_batch_and_preemption(tiny):
-    _, loaded = tiny
+    _, loaded, _ = tiny
     prompt = _prompts(3, num=1)[0]
     sp = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=10, ignore_eos=True)
     alone, _ = _run(_engine(loaded), [("s", prompt, sp)])
@@ -154,7 +158,7 @@ def test_only_ladder_shapes_reach_the_executables(tiny, monkeypatch):
     """500 random requests: every executable call has a ladder shape."""
     from jaxserve.worker.in_process import InProcessWorker
 
-    _, loaded = tiny
+    _, loaded, _ = tiny
     shapes = set()
     run = InProcessWorker._call
 
@@ -196,7 +200,7 @@ def test_only_ladder_shapes_reach_the_executables(tiny, monkeypatch):
 
 
 def test_worker_rejects_off_ladder_buckets_and_inconsistent_plans(tiny):
-    _, loaded = tiny
+    _, loaded, _ = tiny
     engine = _engine(loaded)
     worker, i32 = engine.worker, lambda x: np.array(x, np.int32)
     new = NewRow(0, i32([5, 6, 7]), 3, SamplingParams(), None, i32([1]))
