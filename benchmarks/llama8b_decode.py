@@ -8,7 +8,7 @@ memory bandwidth, measured in the same run by streaming a large buffer
 (``2 × bytes / time`` of an ``x + 1`` over it: one read, one write).
 
 Usage: python -m benchmarks.llama8b_decode [--layers 32] [--batch 1,8] [--context 2048]
-       [--backend pallas] [--json PATH]
+       [--backend pallas] [--scan-layers] [--json PATH]
 On a CPU use e.g. ``--layers 2 --hidden-scale 8 --backend reference`` as a smoke test.
 """
 
@@ -29,7 +29,7 @@ from jaxserve.config import ModelConfig, RopeScaling
 from jaxserve.model.attention import AttentionMetadata
 from jaxserve.model.forward import compute_logits, model_body
 from jaxserve.model.kv_cache import init_kv_cache
-from jaxserve.model.loader import abstract_model, param_bytes
+from jaxserve.model.loader import abstract_model, is_scanned, param_bytes
 
 
 def llama3_8b(layers: int = 32, hidden_scale: int = 1) -> ModelConfig:
@@ -43,9 +43,9 @@ def llama3_8b(layers: int = 32, hidden_scale: int = 1) -> ModelConfig:
         rope_scaling=RopeScaling(8.0, 1.0, 4.0, 8192), eos_token_ids=(128001,))
 
 
-def random_state(config: ModelConfig, dtype) -> tuple:
+def random_state(config: ModelConfig, dtype, scan_layers: bool = False) -> tuple:
     """(graphdef, state) with N(0, 0.02) weights made on the device, leaf by leaf."""
-    graphdef, abstract = abstract_model(config, dtype)
+    graphdef, abstract = abstract_model(config, dtype, scan_layers)
     key = jax.random.PRNGKey(0)
     leaves, treedef = jax.tree.flatten(abstract)
     make = jax.jit(lambda k, shape: (0.02 * jax.random.normal(k, shape, jnp.float32)).astype(dtype),
@@ -69,19 +69,22 @@ def measure_bandwidth(nbytes: int = 4 << 30) -> float:
 
 
 def decode_step_seconds(config, graphdef, state, *, batch: int, context: int, block_size: int,
-                        backend: str, iters: int, pipelined: bool = False) -> float:
+                        backend: str, iters: int, pipelined: bool = False,
+                        timings: dict | None = None) -> float:
     """Seconds of one decode step (body + logits) for ``batch`` rows of ``context`` tokens.
 
     Synchronous (default): the median of steps each waited for, host dispatch
     included — what a worker that needs each step's tokens on the host sees.
     ``pipelined``: steps dispatched back to back and waited for once, so host
     work hides behind the device — what a worker feeding sampled tokens back on
-    the device would see.
+    the device would see. ``timings`` (synchronous mode) receives
+    ``first_step_s``, the first step's seconds: tracing and compiling included
+    when nothing was compiled before.
     """
     blocks_per_row = -(-(context + iters + 2) // block_size)
     num_blocks = batch * blocks_per_row + 1
     cache_dtype = jax.tree.leaves(state)[0].dtype  # the KV cache in the parameter dtype
-    kv = init_kv_cache(config, num_blocks, block_size, cache_dtype)
+    kv = init_kv_cache(config, num_blocks, block_size, cache_dtype, stacked=is_scanned(state))
     table = 1 + np.arange(batch * blocks_per_row, dtype=np.int32).reshape(batch, blocks_per_row)
 
     def inputs(step):
@@ -110,6 +113,8 @@ def decode_step_seconds(config, graphdef, state, *, batch: int, context: int, bl
         hidden, kv = model_body(graphdef, state, kv, ids, pos, md, backend=backend)
         logits = compute_logits(graphdef, state, hidden, logits_indices)
         logits.block_until_ready()
+        if step == 0 and timings is not None:
+            timings["first_step_s"] = time.perf_counter() - t
         if step >= 3:  # the first steps compile
             times.append(time.perf_counter() - t)
     return statistics.median(times)
@@ -125,17 +130,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", default="pallas", help="attention backend")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--scan-layers", action="store_true",
+                        help="stacked layer weights run by jax.lax.scan (docs/model.md)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
 
     dtype = jnp.dtype(args.dtype)
     config = llama3_8b(args.layers, args.hidden_scale)
-    graphdef, state = random_state(config, dtype)
+    graphdef, state = random_state(config, dtype, args.scan_layers)
     weights = param_bytes(state)
     bandwidth = measure_bandwidth(min(4 << 30, max(64 << 20, weights // 2)))
     floor = weights / bandwidth
     result = dict(device=str(jax.devices()[0].device_kind), backend=args.backend,
-                  dtype=args.dtype, layers=args.layers, weight_bytes=weights,
+                  dtype=args.dtype, layers=args.layers, scan_layers=args.scan_layers,
+                  weight_bytes=weights,
                   bandwidth_bytes_per_s=bandwidth, floor_ms=floor * 1e3, steps={})
     print(f"{result['device']}: weights {weights / 1e9:.2f} GB, streaming {bandwidth / 1e12:.2f} TB/s, "
           f"floor {floor * 1e3:.2f} ms/step", flush=True)
@@ -144,13 +152,17 @@ def main(argv: list[str] | None = None) -> int:
                     * config.head_dim * jnp.dtype(dtype).itemsize)
         kv_floor = (weights + kv_bytes) / bandwidth
         for mode in ("sync", "pipelined"):
+            timings: dict = {}
             seconds = decode_step_seconds(config, graphdef, state, batch=batch,
                                           context=args.context, block_size=args.block_size,
                                           backend=args.backend, iters=args.iters,
-                                          pipelined=mode == "pipelined")
+                                          pipelined=mode == "pipelined", timings=timings)
             result["steps"][f"{batch}/{mode}"] = dict(
                 ms=seconds * 1e3, ratio_to_weight_floor=seconds / floor,
-                ratio_to_weight_plus_kv_floor=seconds / kv_floor)
+                ratio_to_weight_plus_kv_floor=seconds / kv_floor, **timings)
+            if "first_step_s" in timings:
+                print(f"batch {batch:3d} first step (trace + compile): "
+                      f"{timings['first_step_s']:.1f} s", flush=True)
             print(f"batch {batch:3d} context {args.context} {mode:9s}: {seconds * 1e3:.2f} ms/step, "
                   f"{seconds / floor:.3f}x the weight floor, {seconds / kv_floor:.3f}x weights+KV",
                   flush=True)

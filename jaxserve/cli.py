@@ -41,7 +41,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return int(args._module.run(args) or 0)
+    try:
+        return int(args._module.run(args) or 0)
+    except KeyboardInterrupt:  # Ctrl-C in a client command: the stream is cancelled
+        print(file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -19,8 +19,10 @@ aborted in the engine and finishes with reason "stop".
 from __future__ import annotations
 
 import itertools
-import numbers
 import logging
+import numbers
+import os
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -36,6 +38,17 @@ logger = logging.getLogger(__name__)
 
 PromptType = str | Sequence[int] | Mapping[str, Any]
 
+
+
+def _default_compilation_cache_dir() -> str | None:
+    """``$JAXSERVE_CACHE/jax_cache`` unless JAX already has a cache directory (then None)."""
+    from jaxserve.demo_model import cache_root
+
+    jax = sys.modules.get("jax")
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR") or (
+            jax is not None and jax.config.jax_compilation_cache_dir):
+        return None
+    return str(cache_root() / "jax_cache")
 
 class LLM:
     """An offline engine over one model.
@@ -62,7 +75,10 @@ class LLM:
       scan_layers: run the layers with ``jax.lax.scan`` over stacked weights
         (compiles ~7× faster; decodes slower on the CPU: docs/model.md).
       compilation_cache_dir: JAX's persistent compilation cache directory;
-        None = JAX's setting (``JAX_COMPILATION_CACHE_DIR``).
+        None = JAX's setting (``JAX_COMPILATION_CACHE_DIR`` or
+        ``jax.config``) when there is one, else ``$JAXSERVE_CACHE/jax_cache``
+        — the same default as ``jaxserve serve``, so either loads what the
+        other compiled.
       strict_recompile: a compile after warm-up raises (tests).
       worker: None or "in_process" = a new ``InProcessWorker``; "grpc" = a
         new worker process (``python -m jaxserve.worker.server``, stopped by
@@ -89,6 +105,8 @@ class LLM:
 
         path = resolve_model_path(model)
         self.model_path = path
+        if compilation_cache_dir is None:
+            compilation_cache_dir = _default_compilation_cache_dir()
         config = EngineConfig(
             model=str(path), dtype=dtype, max_model_len=max_model_len,
             scheduler=SchedulerConfig(

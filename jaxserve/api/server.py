@@ -87,6 +87,13 @@ class ApiServer:
         address = f"{args.host}:{args.port}"
         if server.add_insecure_port(address) == 0:
             raise RuntimeError(f"cannot bind {address}")
+        if args.metrics_port:  # bound now, so a busy port fails before the slow start-up
+            try:
+                self.metrics.serve(args.metrics_port, args.host)
+            except OSError as err:
+                raise RuntimeError(f"--metrics-port {args.metrics_port}: cannot listen on "
+                                   f"{args.host}:{args.metrics_port}: {err.strerror}") from None
+            logger.info("metrics on http://%s:%d/metrics", args.host, args.metrics_port)
         tokenizer = await asyncio.to_thread(load_tokenizer, args.model)
         # Generate must exist before start (aio servers take no handlers later): it
         # answers UNAVAILABLE until the engine is connected.
@@ -118,13 +125,10 @@ class ApiServer:
         self.engine.on_failure(
             lambda error: loop.create_task(self._set_health(NOT_SERVING)))
         refresh = asyncio.create_task(stats_refresher(self.engine)())
-        if args.metrics_port:
-            self.metrics.serve(args.metrics_port, args.host)
-            logger.info("metrics on http://%s:%d/metrics", args.host, args.metrics_port)
         await self._set_health(SERVING)
-        logger.info("api serving %s on %s (max_model_len %d, %d KV blocks of %d tokens)",
-                    self.servicer.model_name, address, info.max_model_len, info.num_kv_blocks,
-                    info.block_size)
+        logger.info("api serving %s on %s (max_model_len %d, %d usable KV blocks of %d tokens)",
+                    self.servicer.model_name, address, info.max_model_len,
+                    info.num_kv_blocks - 1, info.block_size)
         await self._stopped.wait()
         logger.info("api shutting down")
         await self._set_health(NOT_SERVING)

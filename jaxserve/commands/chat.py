@@ -3,7 +3,9 @@
 Reads one user message per line from stdin, streams each reply, and keeps
 the conversation (rendered by the model's chat template on the server).
 An empty line, ``/exit`` or end of input ends it; ``/reset`` forgets the
-history. Sampling flags as ``jaxserve generate``.
+history. Sampling flags as ``jaxserve generate``; invalid ones are refused
+before the first message (exit status 2). Exit status 1 when any reply
+failed, 0 otherwise.
 """
 
 from __future__ import annotations
@@ -21,7 +23,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from jaxserve.client import Client, JaxServeError
+    from jaxserve.sampling_params import SamplingParams
 
+    try:
+        SamplingParams(**sampling_kwargs(args))
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    failed = False
     history: list[dict[str, str]] = []
     if args.system:
         history.append({"role": "system", "content": args.system})
@@ -34,20 +43,24 @@ def run(args: argparse.Namespace) -> int:
             line = sys.stdin.readline()
             message = line.strip()
             if not line or not message or message == "/exit":
-                return 0
+                return 1 if failed else 0
             if message == "/reset":
                 del history[1 if args.system else 0:]
                 continue
             history.append({"role": "user", "content": message})
-            sys.stdout.write("assistant> ")
             parts = []
             try:
                 for delta in client.stream(messages=history, **sampling_kwargs(args)):
+                    if not parts:
+                        sys.stdout.write("assistant> ")
                     sys.stdout.write(delta.text)
                     sys.stdout.flush()
                     parts.append(delta.text)
             except JaxServeError as err:
-                print(f"\nerror: {err.code.name}: {err.message}", file=sys.stderr)
+                if parts:
+                    sys.stdout.write("\n")
+                print(f"error: {err.code.name}: {err.message}", file=sys.stderr)
+                failed = True
                 history.pop()
                 continue
             sys.stdout.write("\n")

@@ -49,13 +49,18 @@ def serve_options(args: argparse.Namespace, **overrides: object):
 
 
 def run(args: argparse.Namespace) -> int:
+    from jaxserve.demo_model import DemoModelError
     from jaxserve.launcher import Launcher, ServerExited
     from jaxserve.procutil import StopSignal
 
     stop = StopSignal()
     launcher = Launcher(serve_options(args))
     try:
-        launcher.start()
+        try:
+            launcher.start()
+        except (FileNotFoundError, DemoModelError) as err:
+            logger.error("%s", err)
+            return 1
         seconds = launcher.wait_ready(args.ready_timeout, stop_event=stop.event)
         logger.info("jaxserve ready on %s after %.1f s", launcher.address, seconds)
         return launcher.wait(stop.event)

@@ -108,8 +108,9 @@ class EngineCore:
         self._in_flight: _InFlight | None = None
         self._executor = (concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="engine-worker") if self.async_scheduling else None)
-        logger.info("engine ready: %d KV blocks of %d tokens, max_model_len %d, T ladder %s, "
-                    "R ladder %s, %s scheduling", self.geometry.num_kv_blocks,
+        logger.info("engine ready: %d usable KV blocks (+ the null block) of %d tokens, "
+                    "max_model_len %d, T ladder %s, R ladder %s, %s scheduling",
+                    self.geometry.num_kv_blocks - 1,
                     self.geometry.block_size, self.geometry.max_model_len,
                     self.config.scheduler.token_buckets, self.config.scheduler.request_buckets,
                     "async" if self.async_scheduling else "sync")

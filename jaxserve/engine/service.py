@@ -280,7 +280,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     setup_logging("engine", args.log_level)
     # Until the core is up, SIGTERM / SIGINT end the process at once (nothing to clean up).
-    core = EngineCore(engine_config(args), _make_worker(args))
+    try:
+        core = EngineCore(engine_config(args), _make_worker(args))
+    except (ValueError, FileNotFoundError, NotImplementedError) as err:  # bad configuration
+        logger.error("engine failed to start: %s", err)
+        return 1
     stop = StopSignal()
     server = EngineServer(core, args.address)
     server.start()

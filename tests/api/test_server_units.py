@@ -139,3 +139,22 @@ def test_server_modules_and_the_tokenizer_never_import_jax(demo_model_dir):
               "'jaxlib', 'flax')))\n"
             + "assert not bad, bad\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+
+def test_a_busy_metrics_port_fails_at_once_with_a_one_line_error(demo_model_dir):
+    """The api binds ``--metrics-port`` before it waits for the engine (none runs here)."""
+    import socket
+
+    from jaxserve.procutil import free_port
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = subprocess.run(
+            [sys.executable, "-m", "jaxserve.api.server", "--engine-address", "127.0.0.1:9",
+             "--model", str(demo_model_dir), "--port", str(free_port()),
+             "--metrics-port", str(port)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    assert f"--metrics-port {port}: cannot listen" in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -98,3 +98,24 @@ def test_serving_against_jaxserve_serve(tiny_model_dir, tmp_path):
         assert m["ttft_ms"]["p50"] <= m["e2e_ms"]["p50"]
     assert out["server"]["started_here"]
     assert (tmp_path / "serving_latency_cdf.png").exists() or not HAVE_MATPLOTLIB
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
+def test_llama8b_decode_narrowed(tmp_path, scan):
+    """The H100 benchmark's code path on the CPU: 2 layers, widths / 8, reference attention."""
+    path = tmp_path / "llama8b.json"
+    cmd = [sys.executable, "-m", "benchmarks.llama8b_decode", "--layers", "2", "--hidden-scale",
+           "8", "--backend", "reference", "--dtype", "float32", "--batch", "1,2", "--context",
+           "40", "--iters", "3", "--json", str(path)] + (["--scan-layers"] if scan else [])
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    out = json.loads(path.read_text())
+    assert out["scan_layers"] is scan and out["layers"] == 2
+    # Parameters of the narrowed config, counted by hand: embed + LM head (untied),
+    # per layer qkv + o + gate_up + down + 2 norms, the final norm; float32.
+    d, f, v, n, k, h = 512, 1792, 16032, 4, 1, 128
+    per_layer = d * (n + 2 * k) * h + n * h * d + d * 2 * f + f * d + 2 * d
+    assert out["weight_bytes"] == 4 * (2 * v * d + 2 * per_layer + d)
+    assert set(out["steps"]) == {"1/sync", "1/pipelined", "2/sync", "2/pipelined"}
+    assert all(s["ms"] > 0 for s in out["steps"].values())
+    assert out["steps"]["1/sync"]["first_step_s"] > 0
