@@ -59,11 +59,12 @@ def softcap(scores: jax.Array, soft_cap: float | None) -> jax.Array:
     return soft_cap * jnp.tanh(scores / soft_cap)
 
 
-def _online_update(carry, scores, values, mask, soft_cap):
+def _online_update(carry, scores, mask, soft_cap, weighted_values):
     """One online-softmax step.
 
     carry: (m, l [Tc, K, G], acc [Tc, K, G, H]); scores [Tc, K, G, C];
-    values [Tc or 1, K, C, H] (zeroed where masked); mask bool[Tc, C].
+    mask bool[Tc, C]; ``weighted_values(p [Tc, K, G, C]) -> [Tc, K, G, H]``
+    multiplies the probabilities by the tile's values (zeroed where masked).
     """
     m, l, acc = carry
     s = softcap(scores, soft_cap)
@@ -72,18 +73,34 @@ def _online_update(carry, scores, values, mask, soft_cap):
     alpha = jnp.exp(m - m_new)
     p = jnp.exp(s - m_new[..., None])
     l = l * alpha + jnp.sum(p, axis=-1)
-    if values.shape[0] == 1:  # shared keys: one [K, C, H] for the whole chunk
-        pv = jnp.einsum("tkgc,kch->tkgh", p, values[0])
-    else:
-        pv = jnp.einsum("tkgc,tkch->tkgh", p, values)
-    return m_new, l, acc * alpha[..., None] + pv
+    return m_new, l, acc * alpha[..., None] + weighted_values(p)
 
 
-def _gather_tiles(cache: jax.Array, ids: jax.Array) -> jax.Array:
-    """cache [B, K, S, H], ids i32[..., nb] → [..., K, nb·S, H] (f32)."""
-    tiles = cache[ids].astype(jnp.float32)  # [..., nb, K, S, H]
-    tiles = jnp.moveaxis(tiles, -3, -4)  # [..., K, nb, S, H]
-    return tiles.reshape(*tiles.shape[:-3], tiles.shape[-3] * tiles.shape[-2], tiles.shape[-1])
+# Context tiles stay in the cache's own block layout, [..., nb, K, S, H]: the
+# gather copies whole [K, S, H] blocks, and the products contract over
+# (block, slot) without first moving K in front — on the CPU the transposed
+# copy of every tile cost ~3× the products themselves (measured: 16 decode
+# rows, 128-token tiles, 1.33 → 0.40 ms per tile).
+def _shared_tile_scores(q: jax.Array, kt: jax.Array) -> jax.Array:
+    """q [Tc, K, G, H], kt [nb, K, S, H] → [Tc, K, G, nb·S]."""
+    s = jnp.einsum("tkgh,bksh->tkgbs", q, kt)
+    return s.reshape(*s.shape[:3], -1)
+
+
+def _shared_tile_values(p: jax.Array, vt: jax.Array) -> jax.Array:
+    """p [Tc, K, G, nb·S], vt [nb, K, S, H] → [Tc, K, G, H]."""
+    return jnp.einsum("tkgbs,bksh->tkgh", p.reshape(*p.shape[:3], vt.shape[0], vt.shape[2]), vt)
+
+
+def _token_tile_scores(q: jax.Array, kt: jax.Array) -> jax.Array:
+    """q [Tc, K, G, H], kt [Tc, nb, K, S, H] → [Tc, K, G, nb·S]."""
+    s = jnp.einsum("tkgh,tbksh->tkgbs", q, kt)
+    return s.reshape(*s.shape[:3], -1)
+
+
+def _token_tile_values(p: jax.Array, vt: jax.Array) -> jax.Array:
+    """p [Tc, K, G, nb·S], vt [Tc, nb, K, S, H] → [Tc, K, G, H]."""
+    return jnp.einsum("tkgbs,tbksh->tkgh", p.reshape(*p.shape[:3], vt.shape[1], vt.shape[3]), vt)
 
 
 @functools.partial(
@@ -169,7 +186,8 @@ def ragged_paged_attention_reference(
                 jnp.zeros((chunk, num_kv_heads, group), jnp.float32),
                 jnp.zeros((chunk, num_kv_heads, group, head_dim), jnp.float32))
         scores = jnp.einsum("tkgh,ukh->tkgu", qc, k_own)  # [Tc, K, G, Tc]
-        carry = _online_update(init, scores, jnp.moveaxis(v_own, 0, 1)[None], mask, soft_cap)
+        carry = _online_update(init, scores, mask, soft_cap,
+                               lambda p: jnp.einsum("tkgu,ukh->tkgh", p, v_own))
 
         # --- (B) earlier tokens of each row, from the cache through the block table.
         num_tiles = (jnp.max(local_start) + tile_tokens - 1) // tile_tokens
@@ -181,22 +199,23 @@ def ragged_paged_attention_reference(
         def shared_tile(state):  # every token in the chunk belongs to row rc[0]
             i, carry = state
             ids = jax.lax.dynamic_slice_in_dim(table[rc[0]], i * blocks_per_tile, blocks_per_tile)
-            kt = _gather_tiles(k_cache, ids)  # [K, C, H]
-            vt = _gather_tiles(v_cache, ids)
-            m = tile_mask(i)
-            vt = jnp.where(m.any(0)[None, :, None], vt, 0.0)  # unused slots may hold NaN
-            scores = jnp.einsum("tkgh,kch->tkgc", qc, kt)
-            return i + 1, _online_update(carry, scores, vt[None], m, soft_cap)
+            kt = k_cache[ids].astype(jnp.float32)  # [nb, K, S, H]
+            vt = v_cache[ids].astype(jnp.float32)
+            m = tile_mask(i)  # [Tc, C]
+            used = m.any(0).reshape(blocks_per_tile, 1, block_size, 1)
+            vt = jnp.where(used, vt, 0.0)  # unused slots may hold NaN
+            return i + 1, _online_update(carry, _shared_tile_scores(qc, kt), m, soft_cap,
+                                         lambda p: _shared_tile_values(p, vt))
 
         def per_token_tile(state):  # each token gathers its own row's tile
             i, carry = state
             ids = jax.lax.dynamic_slice_in_dim(table[rc], i * blocks_per_tile, blocks_per_tile, axis=1)
-            kt = _gather_tiles(k_cache, ids)  # [Tc, K, C, H]
-            vt = _gather_tiles(v_cache, ids)
+            kt = k_cache[ids].astype(jnp.float32)  # [Tc, nb, K, S, H]
+            vt = v_cache[ids].astype(jnp.float32)
             m = tile_mask(i)
-            vt = jnp.where(m[:, None, :, None], vt, 0.0)
-            scores = jnp.einsum("tkgh,tkch->tkgc", qc, kt)
-            return i + 1, _online_update(carry, scores, vt, m, soft_cap)
+            vt = jnp.where(m.reshape(chunk, blocks_per_tile, 1, block_size, 1), vt, 0.0)
+            return i + 1, _online_update(carry, _token_tile_scores(qc, kt), m, soft_cap,
+                                         lambda p: _token_tile_values(p, vt))
 
         def loop(tile_fn):
             return lambda carry: jax.lax.while_loop(
