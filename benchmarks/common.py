@@ -15,7 +15,7 @@ import pathlib
 import platform
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -109,6 +109,29 @@ def write_json(results_dir: str | os.PathLike, name: str, payload: dict[str, Any
     out.write_text(json.dumps(payload, indent=2, sort_keys=False, default=_json_default) + "\n")
     logger.info("wrote %s", out)
     return out
+
+
+def run_cli(name: str, doc: str, add_arguments: Callable[[argparse.ArgumentParser], None],
+            run: Callable[[argparse.Namespace], dict[str, Any]], argv: Sequence[str] | None
+            ) -> tuple[argparse.Namespace, dict[str, Any], pathlib.Path]:
+    """The shared part of every benchmark's ``main``: parse, log, run, write the JSON.
+
+    Args:
+      name: the benchmark's name (``jaxserve bench <name>``, ``<name>.json``).
+      doc: its module docstring (the first line describes it in ``--help``).
+      add_arguments, run: the benchmark's own.
+      argv: the command line (None = ``sys.argv``).
+
+    Returns:
+      (parsed arguments, the result, the JSON's path).
+    """
+    parser = argparse.ArgumentParser(prog=f"jaxserve bench {name}",
+                                     description=doc.splitlines()[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    setup_logging()
+    result = run(args)
+    return args, result, write_json(args.results, name, result)
 
 
 def _json_default(value: Any) -> Any:

@@ -167,13 +167,7 @@ def report(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=f"jaxserve bench {NAME}",
-                                     description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    common.setup_logging()
-    result = run(args)
-    path = common.write_json(args.results, NAME, result)
+    args, result, path = common.run_cli(NAME, __doc__, add_arguments, run, argv)
     pngs = make_plots(result, pathlib.Path(args.results))
     print(report(result))
     print(f"results: {path}" + "".join(f"\nplot: {p}" for p in pngs))

@@ -67,13 +67,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=f"jaxserve bench {NAME}",
-                                     description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    common.setup_logging()
-    result = run(args)
-    path = common.write_json(args.results, NAME, result)
+    args, result, path = common.run_cli(NAME, __doc__, add_arguments, run, argv)
     from benchmarks import profiling
 
     leg = result["jaxserve"]

@@ -16,24 +16,11 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.engine.grpc_worker import start_worker_process
 from jaxserve.model.loader import load_model
 from jaxserve.worker import InProcessWorker
+from tests.demo_prompts import QUESTIONS, TEXTS
 
 pytestmark = pytest.mark.slow
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
-QUESTIONS = [
-    "What is the capital of France?", "Name a prime number.", "How do bees make honey?",
-    "What is 2 + 2?", "Why is the sky blue?", "Give me a synonym for happy.",
-    "Who wrote Hamlet?", "What is the boiling point of water?", "Translate 'cat' to French.",
-    "What is the largest planet?", "How many legs does a spider have?", "Define gravity.",
-    "What color is a banana?", "What is a haiku?", "Name an ocean.", "What is rust?",
-]
-TEXTS = [
-    "The history of the printing press", "def add(a, b):", "Once upon a time",
-    "The three primary colors are", "In 1969, astronauts", "A recipe for pancakes:",
-    "The quick brown fox", "Photosynthesis is the process", "import numpy as np\n",
-    "My favourite season is", "The mitochondria is", "Dear team,\n",
-    "Water boils at", "The tallest mountain on Earth", "Rain falls when", "Chess is a game",
-]
 ARGS = dict(max_num_seqs=32, max_model_len=256, num_kv_blocks=320, block_size=16,
             max_num_batched_tokens=64, token_buckets=(1, 4, 8, 16, 32, 64),
             strict_recompile=True)
