@@ -11,10 +11,12 @@ what the step needs, not T × (longest context):
   read from the cache through the block table in tiles of ``context_tile``
   tokens by a ``while_loop`` whose trip count is the chunk's longest such
   context (0 for a chunk of fresh prefill tokens).
-* (B) takes one of two paths at run time (``lax.cond``): when every token of
-  the chunk belongs to one row (a prefill chunk), each context tile is
-  gathered once and shared by the chunk's tokens — a plain matrix product;
-  otherwise (decode rows, mixed chunks) each token gathers its own row's tile.
+* (B) takes one of two paths at run time (``lax.cond``): when the chunk's
+  rows average at least ``_MIN_TOKENS_PER_SHARED_ROW`` tokens (a prefill
+  chunk, or one straddling a few prefill rows), it goes row by row, each
+  context tile gathered once and shared by that row's tokens — a plain
+  matrix product, the other rows' tokens masked; otherwise (decode rows)
+  each token gathers its own row's tile.
 
 (A) and (B) are merged with FlashAttention's online softmax (Dao et al.,
 2022, Alg. 1).
@@ -31,6 +33,11 @@ import jax.numpy as jnp
 # not NaN. Source: the usual flash-attention convention (e.g. JAX's own
 # pallas ops use a large negative finite DEFAULT_MASK_VALUE).
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+# A query chunk whose rows average at least this many tokens reads each row's context
+# once for all of its tokens (row by row); below it, every token reads its own row's
+# context (a decode chunk). Chosen by the per-tile costs on this CPU (docs/model.md).
+_MIN_TOKENS_PER_SHARED_ROW = 4
 
 
 def row_of_tokens(query_start_loc: jax.Array, num_tokens: int) -> tuple[jax.Array, jax.Array]:
@@ -190,18 +197,19 @@ def ragged_paged_attention_reference(
                                lambda p: jnp.einsum("tkgu,ukh->tkgh", p, v_own))
 
         # --- (B) earlier tokens of each row, from the cache through the block table.
-        num_tiles = (jnp.max(local_start) + tile_tokens - 1) // tile_tokens
+        def num_tiles_of(starts):
+            return (jnp.max(starts) + tile_tokens - 1) // tile_tokens
 
-        def tile_mask(i):
+        def tile_mask(i, starts):
             kpos = i * tile_tokens + jnp.arange(tile_tokens, dtype=jnp.int32)  # [C]
-            return (kpos[None, :] < local_start[:, None]) & (kpos[None, :] >= lo[:, None])
+            return (kpos[None, :] < starts[:, None]) & (kpos[None, :] >= lo[:, None])
 
-        def shared_tile(state):  # every token in the chunk belongs to row rc[0]
+        def shared_tile(state, row, starts):  # the chunk's tokens of ``row`` (others masked)
             i, carry = state
-            ids = jax.lax.dynamic_slice_in_dim(table[rc[0]], i * blocks_per_tile, blocks_per_tile)
+            ids = jax.lax.dynamic_slice_in_dim(table[row], i * blocks_per_tile, blocks_per_tile)
             kt = k_cache[ids].astype(jnp.float32)  # [nb, K, S, H]
             vt = v_cache[ids].astype(jnp.float32)
-            m = tile_mask(i)  # [Tc, C]
+            m = tile_mask(i, starts)  # [Tc, C]
             used = m.any(0).reshape(blocks_per_tile, 1, block_size, 1)
             vt = jnp.where(used, vt, 0.0)  # unused slots may hold NaN
             return i + 1, _online_update(carry, _shared_tile_scores(qc, kt), m, soft_cap,
@@ -212,20 +220,33 @@ def ragged_paged_attention_reference(
             ids = jax.lax.dynamic_slice_in_dim(table[rc], i * blocks_per_tile, blocks_per_tile, axis=1)
             kt = k_cache[ids].astype(jnp.float32)  # [Tc, nb, K, S, H]
             vt = v_cache[ids].astype(jnp.float32)
-            m = tile_mask(i)
+            m = tile_mask(i, local_start)
             vt = jnp.where(m.reshape(chunk, blocks_per_tile, 1, block_size, 1), vt, 0.0)
             return i + 1, _online_update(carry, _token_tile_scores(qc, kt), m, soft_cap,
                                          lambda p: _token_tile_values(p, vt))
 
-        def loop(tile_fn):
-            return lambda carry: jax.lax.while_loop(
-                lambda s: s[0] < num_tiles, tile_fn, (jnp.int32(0), carry))[1]
+        def tile_loop(tile_fn, num_tiles, carry):
+            return jax.lax.while_loop(lambda s: s[0] < num_tiles, tile_fn, (jnp.int32(0), carry))[1]
 
-        single_row = jnp.all((rc == rc[0]) | ~vc)
-        if chunk == 1:
-            m, l, acc = loop(shared_tile)(carry)
+        def per_token_rows(carry):  # each token gathers its own row's tiles
+            return tile_loop(per_token_tile, num_tiles_of(local_start), carry)
+
+        def row_by_row(carry):  # rows in turn, each row's tiles gathered once for its tokens
+            def one_row(row, carry):
+                starts = jnp.where(rc == row, local_start, 0)
+                return tile_loop(lambda s: shared_tile(s, row, starts), num_tiles_of(starts), carry)
+            return jax.lax.fori_loop(rc[0], last_row + 1, one_row, carry)
+
+        # Rows are contiguous in token order, so the chunk holds rows rc[0] .. last_row.
+        # A prefill chunk (one row), or one that straddles a few rows' chunks, goes row by
+        # row; a chunk of many short rows (decode) gathers per token.
+        last_row = jnp.max(jnp.where(vc, rc, rc[0]))
+        if chunk == 1:  # one token, one row: no loop over rows
+            m, l, acc = tile_loop(lambda s: shared_tile(s, rc[0], local_start),
+                                  num_tiles_of(local_start), carry)
         else:
-            m, l, acc = jax.lax.cond(single_row, loop(shared_tile), loop(per_token_tile), carry)
+            few_rows = (last_row - rc[0] + 1) * _MIN_TOKENS_PER_SHARED_ROW <= chunk
+            m, l, acc = jax.lax.cond(few_rows, row_by_row, per_token_rows, carry)
         out = acc / jnp.where(l > 0, l, 1.0)[..., None]
         return jnp.where(vc[:, None, None, None], out, 0.0)  # [Tc, K, G, H]
 
