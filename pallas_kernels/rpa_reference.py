@@ -11,12 +11,12 @@ what the step needs, not T × (longest context):
   read from the cache through the block table in tiles of ``context_tile``
   tokens by a ``while_loop`` whose trip count is the chunk's longest such
   context (0 for a chunk of fresh prefill tokens).
-* (B) takes one of two paths at run time (``lax.cond``): when the chunk's
-  rows average at least ``_MIN_TOKENS_PER_SHARED_ROW`` tokens (a prefill
-  chunk, or one straddling a few prefill rows), it goes row by row, each
-  context tile gathered once and shared by that row's tokens — a plain
-  matrix product, the other rows' tokens masked; otherwise (decode rows)
-  each token gathers its own row's tile.
+* (B) takes one of two paths at run time (``lax.cond``): when every row in
+  the chunk is a prefill row (``_MIN_PREFILL_TOKENS`` query tokens or more
+  in the step — a prefill chunk, or one straddling a few prompts), it goes
+  row by row, each context tile gathered once and shared by that row's
+  tokens — a plain matrix product, the other rows' tokens masked; otherwise
+  (a decode row is in it) each token gathers its own row's tile.
 
 (A) and (B) are merged with FlashAttention's online softmax (Dao et al.,
 2022, Alg. 1).
@@ -34,10 +34,11 @@ import jax.numpy as jnp
 # pallas ops use a large negative finite DEFAULT_MASK_VALUE).
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
-# A query chunk whose rows average at least this many tokens reads each row's context
-# once for all of its tokens (row by row); below it, every token reads its own row's
-# context (a decode chunk). Chosen by the per-tile costs on this CPU (docs/model.md).
-_MIN_TOKENS_PER_SHARED_ROW = 4
+# A query chunk whose rows all bring at least this many query tokens to the step
+# (prefill rows) reads each row's context once for all of its tokens (row by row);
+# a chunk with any shorter row (decode) reads per token. Measured on this CPU
+# (docs/model.md): row by row over decode rows cost more than reading per token.
+_MIN_PREFILL_TOKENS = 4
 
 
 def row_of_tokens(query_start_loc: jax.Array, num_tokens: int) -> tuple[jax.Array, jax.Array]:
@@ -238,15 +239,13 @@ def ragged_paged_attention_reference(
             return jax.lax.fori_loop(rc[0], last_row + 1, one_row, carry)
 
         # Rows are contiguous in token order, so the chunk holds rows rc[0] .. last_row.
-        # A prefill chunk (one row), or one that straddles a few rows' chunks, goes row by
-        # row; a chunk of many short rows (decode) gathers per token.
         last_row = jnp.max(jnp.where(vc, rc, rc[0]))
         if chunk == 1:  # one token, one row: no loop over rows
             m, l, acc = tile_loop(lambda s: shared_tile(s, rc[0], local_start),
                                   num_tiles_of(local_start), carry)
         else:
-            few_rows = (last_row - rc[0] + 1) * _MIN_TOKENS_PER_SHARED_ROW <= chunk
-            m, l, acc = jax.lax.cond(few_rows, row_by_row, per_token_rows, carry)
+            prefill_only = jnp.all(~vc | (q_len[rc] >= _MIN_PREFILL_TOKENS))
+            m, l, acc = jax.lax.cond(prefill_only, row_by_row, per_token_rows, carry)
         out = acc / jnp.where(l > 0, l, 1.0)[..., None]
         return jnp.where(vc[:, None, None, None], out, 0.0)  # [Tc, K, G, H]
 
