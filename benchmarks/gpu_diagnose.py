@@ -29,7 +29,7 @@ import numpy as np
 from benchmarks.llama8b_decode import decode_step_seconds, llama3_8b, measure_bandwidth, random_state
 from jaxserve.model.loader import param_bytes
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
-from pallas_kernels.tuning import TuningConfig, tuning_for
+from pallas_kernels.tuning import tuning_for
 
 
 def profile_top_kernels(trace_dir: str, top: int = 25) -> list[tuple[str, float, int]]:

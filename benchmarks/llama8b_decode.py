@@ -15,7 +15,6 @@ On a CPU use e.g. ``--layers 2 --hidden-scale 8 --backend reference`` as a smoke
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import sys

@@ -39,7 +39,6 @@ logger = logging.getLogger(__name__)
 PromptType = str | Sequence[int] | Mapping[str, Any]
 
 
-
 def _default_compilation_cache_dir() -> str | None:
     """``$JAXSERVE_CACHE/jax_cache`` unless JAX already has a cache directory (then None)."""
     from jaxserve.demo_model import cache_root
@@ -49,6 +48,7 @@ def _default_compilation_cache_dir() -> str | None:
             jax is not None and jax.config.jax_compilation_cache_dir):
         return None
     return str(cache_root() / "jax_cache")
+
 
 class LLM:
     """An offline engine over one model.
@@ -73,7 +73,7 @@ class LLM:
       async_scheduling: plan each step while the previous one runs
         (``jaxserve.engine.core``).
       scan_layers: run the layers with ``jax.lax.scan`` over stacked weights
-        (compiles ~7× faster; decodes slower on the CPU: docs/model.md).
+        (compiles ~4× faster; decodes ~1.3× slower on the CPU: docs/model.md).
       compilation_cache_dir: JAX's persistent compilation cache directory;
         None = JAX's setting (``JAX_COMPILATION_CACHE_DIR`` or
         ``jax.config``) when there is one, else ``$JAXSERVE_CACHE/jax_cache``

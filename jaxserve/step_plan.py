@@ -81,7 +81,7 @@ class WorkerInit:
         the worker's process; None = leave JAX's setting (e.g. the
         ``JAX_COMPILATION_CACHE_DIR`` environment variable) alone.
       scan_layers: run the layers with ``jax.lax.scan`` over stacked weights
-        (compiles ~7× faster; decodes slower on the CPU: docs/model.md).
+        (compiles ~4× faster; decodes ~1.3× slower on the CPU: docs/model.md).
     """
 
     model: str | None

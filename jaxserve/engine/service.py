@@ -218,7 +218,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                              "in docs/worker.md)")
     parser.add_argument("--scan-layers", action="store_true",
                         help="run the layers with jax.lax.scan over stacked weights: compiles "
-                             "~7x faster, decodes slower on the CPU (docs/model.md)")
+                             "~4x faster, decodes ~1.3x slower on the CPU (docs/model.md)")
 
 
 def engine_flags(args: argparse.Namespace) -> list[str]:

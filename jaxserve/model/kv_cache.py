@@ -2,8 +2,8 @@
 
 Layout (docs/kv_cache.md): for each layer, ``k`` and ``v`` are ``[B, K, S, H]``
 (blocks, KV heads, block slots, head dim); a model built with
-``scan_layers`` keeps them stacked, one ``[L, B, K, S, H]`` array each. Slot ``s`` is block ``s // S``,
-offset ``s % S``. Block 0 is the *null block*: padding tokens write there and
+``scan_layers`` keeps them stacked, one ``[L, B, K, S, H]`` array each.
+Slot ``s`` is block ``s // S``, offset ``s % S``. Block 0 is the *null block*: padding tokens write there and
 block tables are padded with it, so the engine never hands it to a request
 (``NULL_BLOCK``).
 
@@ -40,16 +40,6 @@ class KVCache:
     @property
     def block_size(self) -> int:
         return self.k[0].shape[-2]
-
-    @property
-    def stacked(self) -> bool:
-        return self.k[0].ndim == 5
-
-    def replace_layer(self, layer: int, k: jax.Array, v: jax.Array) -> "KVCache":
-        """Returns a cache with layer ``layer`` replaced (trace-time helper)."""
-        ks, vs = list(self.k), list(self.v)
-        ks[layer], vs[layer] = k, v
-        return KVCache(k=tuple(ks), v=tuple(vs))
 
 
 def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: jnp.dtype) -> int:
