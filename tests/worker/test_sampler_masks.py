@@ -169,10 +169,10 @@ def test_min_tokens_bans_eos_and_stop_ids_until_reached():
 
 
 @pytest.mark.parametrize("weighted", [False, True])
-@pytest.mark.parametrize("num_finish", [1, 4, 64])
-def test_threshold_search_matches_brute_force(weighted, num_finish):
-    """The fallback search alone: ties, -inf entries, tiny finish widths (collapse)."""
-    rng = np.random.default_rng(num_finish + 100 * weighted)
+@pytest.mark.parametrize("seed", [1, 4, 64])
+def test_threshold_search_matches_brute_force(weighted, seed):
+    """The fixed-trip search alone: ties, -inf entries, all-equal rows."""
+    rng = np.random.default_rng(seed + 100 * weighted)
     rows, vocab = 64, 400
     z = rng.normal(0.0, 3.0, (rows, vocab)).astype(np.float32)
     z[::3] = np.round(z[::3] * 2) / 2  # heavy ties
@@ -184,15 +184,9 @@ def test_threshold_search_matches_brute_force(weighted, num_finish):
     lo = np.min(z, -1)
     hi = np.nextafter(np.max(z, -1), np.float32(np.inf))
 
-    def weight_of(values):
-        if not weighted:
-            return jnp.ones_like(values)
-        return jnp.where(jnp.isfinite(values), jnp.exp(values - jnp.max(z, -1)[:, None]), 0.0)
-
     @jax.jit
     def kept(z, w, target, lo, hi):
-        t = search_threshold(z, w, weight_of, target, lo, hi, jnp.zeros(rows), jnp.zeros(
-            rows, jnp.int32), jnp.ones(rows, bool), num_finish)
+        t = search_threshold(z, w, target, lo, hi, jnp.ones(rows, bool))
         # Compared on device: XLA's CPU backend flushes denormals, and the
         # search may return one (e.g. just above a run of zeros).
         return z >= t[:, None]

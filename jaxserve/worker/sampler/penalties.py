@@ -70,9 +70,3 @@ def apply_penalties(logits: jax.Array, prompt_mask: jax.Array, output_counts: ja
     logits = logits - frequency_penalty[:, None] * output_counts.astype(jnp.float32)
     return logits - presence_penalty[:, None] * seen_output.astype(jnp.float32)
 
-
-def any_penalty(repetition_penalty: jax.Array, presence_penalty: jax.Array,
-                frequency_penalty: jax.Array) -> jax.Array:
-    """bool[]: does any row need ``apply_penalties``."""
-    return jnp.any((repetition_penalty != 1.0) | (presence_penalty != 0.0)
-                   | (frequency_penalty != 0.0))

@@ -5,27 +5,31 @@ kept probabilities for top-p); S(v) = sum of w over z >= v; find the largest
 value v of the row with S(v) >= target. The answer is returned as a threshold
 t whose kept set {z >= t} equals {z >= v}.
 
-Method, without sorting V: bisection on an interval [lo, hi) that keeps
-S(lo) >= target > S(hi), one pass over the row per step computing S(mid) and
-count(z >= mid) together. Midpoints alternate between the value midpoint
-(narrows fast where tokens are dense) and the midpoint of the floats' ordered
-bit patterns (guarantees the interval shrinks to a single float within 64
-steps). A row stops once at most F tokens lie in [lo, hi) or the interval
-holds one float; the loop runs while any row is open (typically 10-20 steps).
-Then the F largest values below hi (``lax.top_k``) are scanned in order with
-S = S(hi) + their cumulative weight: the first that reaches the target is the
-answer. A collapsed interval answers lo.
+Method, without sorting V and without data-dependent control flow: bisection
+on the floats' ordered bit patterns (``ordered_key``: u32 keys in the order of
+the f32 values). The interval [lo, hi) keeps S(lo) >= target > S(hi); each
+step takes the key midpoint, computes S(mid) in one pass over the row and
+moves lo or hi to it. An interval of at most 2**32 keys is halved (rounding
+up) to width 1 in exactly ``NUM_STEPS`` = 32 steps, so the search is a
+fixed-trip loop (unrolled; no ``while`` in the HLO, no host round trip on a
+GPU). At width 1 no float lies strictly between lo and hi, and lo is a value
+of the row (else S(lo) = S(hi) < target), so lo is the answer itself: no
+final scan. Rows that are not active, or whose interval is already one key
+wide, keep their bounds (``jnp.where``).
+
+If rounding breaks the invariant at an end (the caller's S(lo) computed in
+another summation order falls just below the target), every step moves the
+same way and the search returns that end; callers pass bounds that are
+correct answers in that case.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-MAX_STEPS = 64  # alternate bit-pattern midpoints halve 2**32 patterns in <= 64 steps
+NUM_STEPS = 32  # halving 2**32 keys, rounding up, leaves one key after 32 steps
 
 _SIGN = jnp.uint32(0x80000000)
 
@@ -42,69 +46,35 @@ def key_to_float(key: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(bits, jnp.float32)
 
 
-def search_threshold(z: jax.Array, weights: jax.Array | None,
-                     weight_of: Callable[[jax.Array], jax.Array], target: jax.Array,
-                     lo: jax.Array, hi: jax.Array, s_hi: jax.Array, n_hi: jax.Array,
-                     active: jax.Array, num_finish: int) -> jax.Array:
+def search_threshold(z: jax.Array, weights: jax.Array | None, target: jax.Array,
+                     lo: jax.Array, hi: jax.Array, active: jax.Array) -> jax.Array:
     """Per row, a threshold t with {z >= t} = {z >= largest v: S(v) >= target}.
 
     Args:
       z: f32[R, V] values (-inf allowed, no NaN).
-      weights: f32[R, V] w, or None for w = 1 (S counts tokens).
-      weight_of: maps values f32[R, F] to their weights (must agree with
-        ``weights`` elementwise).
+      weights: f32[R, V] w >= 0, or None for w = 1 (S counts tokens).
       target: f32[R].
       lo: f32[R] with S(lo) >= target (not checked).
-      hi: f32[R] > lo with S(hi) < target; the search covers [lo, hi).
-      s_hi: f32[R] = S(hi); n_hi: i32[R] = count(z >= hi).
-      active: bool[R]; other rows return ``lo`` without being searched.
-      num_finish: static F, the width of the final top-k scan.
+      hi: f32[R] > lo with S(hi) < target (not checked); the search covers
+        [lo, hi).
+      active: bool[R]; other rows return ``lo`` (their bounds may be
+        anything but NaN).
 
     Returns:
       f32[R] thresholds, to be compared with z on the device (XLA's CPU
       backend flushes denormals; a threshold may be one).
     """
-    vocab = z.shape[1]
-
-    def stats(mid: jax.Array) -> tuple[jax.Array, jax.Array]:
-        ge = z >= mid[:, None]  # [R, V]
+    def mass_at_or_above(mid: jax.Array) -> jax.Array:  # [R] f32: S(mid)
+        ge = z >= mid[:, None]  # [R, V] bool
         if weights is None:
-            n = jnp.sum(ge, axis=-1, dtype=jnp.int32)
-            return n.astype(jnp.float32), n
-        return lax.reduce((jnp.where(ge, weights, 0.0), ge.astype(jnp.int32)),
-                          (jnp.float32(0), jnp.int32(0)),
-                          lambda a, b: (a[0] + b[0], a[1] + b[1]), (1,))
+            return jnp.sum(ge, axis=-1, dtype=jnp.int32).astype(jnp.float32)
+        return jnp.sum(jnp.where(ge, weights, 0.0), axis=-1)
 
-    def is_open(lo, hi, n_lo, n_hi):
-        one_float = ordered_key(hi) - ordered_key(lo) <= 1
-        return active & ~one_float & (n_lo - n_hi > num_finish)
-
-    def cond(state):
-        step, lo, hi, _, n_lo, n_hi = state
-        return (step < MAX_STEPS) & jnp.any(is_open(lo, hi, n_lo, n_hi))
-
-    def body(state):
-        step, lo, hi, s_hi, n_lo, n_hi = state
-        open_ = is_open(lo, hi, n_lo, n_hi)
-        lo_k, hi_k = ordered_key(lo), ordered_key(hi)
-        key_mid = key_to_float(lo_k + (hi_k - lo_k) // 2)  # strictly inside when open
-        value_mid = lo * 0.5 + hi * 0.5
-        use_value = (step % 2 == 0) & (value_mid > lo) & (value_mid < hi)
-        mid = jnp.where(use_value, value_mid, key_mid)  # [R]
-        s, n = stats(mid)
-        up = open_ & (s >= target)  # the cut is at or above mid
-        down = open_ & ~up
-        return (step + 1, jnp.where(up, mid, lo), jnp.where(down, mid, hi),
-                jnp.where(down, s, s_hi), jnp.where(up, n, n_lo), jnp.where(down, n, n_hi))
-
-    n_lo = jnp.full_like(n_hi, vocab)  # an upper bound on count(z >= lo)
-    _, lo, hi, s_hi, _, _ = lax.while_loop(cond, body, (0, lo, hi, s_hi, n_lo, n_hi))
-
-    # Finish: scan the F largest values below hi.
-    below = jnp.where(z < hi[:, None], z, -jnp.inf)  # [R, V]
-    vals, _ = lax.optimization_barrier(lax.top_k(below, num_finish))  # [R, F] descending
-    cum = s_hi[:, None] + jnp.cumsum(weight_of(vals), axis=-1)  # [R, F]
-    hit = cum >= target[:, None]
-    first = jnp.take_along_axis(vals, jnp.argmax(hit, axis=-1)[:, None], axis=-1)[:, 0]
-    found = jnp.any(hit, axis=-1) & (first >= lo)
-    return jnp.where(active & found, first, lo)
+    lo_k, hi_k = ordered_key(lo), ordered_key(hi)  # [R] u32
+    for _ in range(NUM_STEPS):  # fixed trip count: unrolled, no while loop
+        open_ = active & (hi_k - lo_k > 1)  # [R] bool; inactive rows may wrap: masked
+        mid_k = lo_k + (hi_k - lo_k) // 2  # strictly inside [lo, hi) when open
+        up = mass_at_or_above(key_to_float(mid_k)) >= target  # the cut is at or above mid
+        lo_k = jnp.where(open_ & up, mid_k, lo_k)
+        hi_k = jnp.where(open_ & ~up, mid_k, hi_k)
+    return jnp.where(active, key_to_float(lo_k), lo)

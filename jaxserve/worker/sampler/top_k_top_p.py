@@ -15,11 +15,19 @@ depends on token order:
 
 Computing them without sorting V: ``lax.top_k`` gives the KC largest logits
 per row (the candidates; KC = ``NUM_CANDIDATES``). The top-k threshold is a
-candidate when k <= KC, and the top-p threshold is one when the nucleus ends
-inside the candidates; both are exact, ties included. Rows where a threshold
-falls past the candidates (k > KC, or a nucleus wider than KC) get it from the
-exact search in ``threshold_search.py`` (about 10-20 passes over the row), run
-under ``lax.cond`` only when such a row exists.
+candidate when k <= KC, and the top-p threshold is a candidate's value when
+every kept value is one (the kept set ends at or above the KC-th candidate,
+e.g. whenever top-k <= KC is on); both are exact, ties included (tokens tied
+with the KC-th candidate outside the candidates are counted into the top-p
+mass). A threshold past the candidates (k > KC, or a nucleus that reaches
+below the KC-th candidate) comes from the exact search in
+``threshold_search.py`` (32 passes over the row each for top-k and top-p).
+There is no data-dependent control flow: with ``search=True`` both searches
+and the full-vocabulary kept mass always run, for all rows, and only the
+rows that need them take their results (``jnp.where``); with
+``search=False`` they are left out of the graph, and the thresholds are exact
+only for rows that provably stay inside the candidates (the host's choice,
+``variants.py``).
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ NUM_CANDIDATES = 128  # KC: candidates from lax.top_k; the fast path covers k <=
 
 def filter_threshold(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
                      top_p: jax.Array, min_p: jax.Array, active: jax.Array,
-                     num_candidates: int = NUM_CANDIDATES
+                     num_candidates: int = NUM_CANDIDATES, *, search: bool = True
                      ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Thresholds of min-p, top-k and top-p on z = logits / temperature.
 
@@ -47,6 +55,9 @@ def filter_threshold(logits: jax.Array, temperature: jax.Array, top_k: jax.Array
       min_p: f32[R] in [0, 1]; 0 = off.
       active: bool[R]; inactive rows get threshold -inf (no filtering).
       num_candidates: static KC (capped at V).
+      search: static; include the exact searches past the candidates. When
+        False, a row's threshold is exact only if it needs no search: top-k
+        off or <= KC, and top-p off or top-k <= KC on (or KC >= V).
 
     Returns:
       threshold: f32[R] in z units; keep the tokens with z >= threshold.
@@ -63,55 +74,47 @@ def filter_threshold(logits: jax.Array, temperature: jax.Array, top_k: jax.Array
     cand_z = cand_l / t  # [R, KC]; bitwise equal to (logits / t) at cand_ids
     zmax, zlast = cand_z[:, 0], cand_z[:, kc - 1]  # [R]
     z = logits / t  # [R, V]
+    zmin = jnp.min(logits, axis=-1) / temperature  # [R]; = min(z)
+    # Past the candidates, a search covers [row min, zlast]: every token
+    # above zlast is a candidate, so S just above zlast is known.
+    hi = jnp.nextafter(zlast, jnp.inf)  # [R]
 
     t_min = jnp.where(min_p > 0, zmax + jnp.log(min_p), -jnp.inf)  # [R]
     k_on = active & (top_k > 0) & (top_k < vocab)
     k_fast = top_k <= kc
     kth = jnp.take_along_axis(cand_z, jnp.clip(top_k - 1, 0, kc - 1)[:, None], axis=-1)[:, 0]
-    t_k = jnp.where(k_on & k_fast, kth, -jnp.inf)
-    # Past the candidates t_k <= zlast, so it only matters while t_min < zlast.
-    k_slow = k_on & ~k_fast & (t_min < zlast)
-
-    # Past the candidates, the search covers [row min, zlast]: every token
-    # above zlast is a candidate, so S just above zlast is known.
-    hi = jnp.nextafter(zlast, jnp.inf)  # [R]
-    above = cand_z > zlast[:, None]  # [R, KC]
-    n_above = jnp.sum(above, axis=-1, dtype=jnp.int32)  # [R]
-
-    def kth_by_search(t_k: jax.Array) -> jax.Array:
-        zmin = jnp.min(logits, axis=-1) / temperature  # [R]; = min(z)
-        found = search_threshold(z, None, jnp.ones_like, top_k.astype(jnp.float32), zmin, hi,
-                                 n_above.astype(jnp.float32), n_above, k_slow, kc)
-        return jnp.where(k_slow, found, t_k)
-
-    t_k = lax.cond(jnp.any(k_slow), kth_by_search, lambda t_k: t_k, t_k)
+    t_k = jnp.where(k_on & k_fast, kth, -jnp.inf)  # [R]
+    if search:
+        # Past the candidates t_k <= zlast, so it only matters while t_min < zlast.
+        k_slow = k_on & ~k_fast & (t_min < zlast)  # [R] bool
+        found = search_threshold(z, None, top_k.astype(jnp.float32), zmin, hi, k_slow)
+        t_k = jnp.where(k_slow, found, t_k)
     t1 = jnp.where(active, jnp.maximum(t_min, t_k), -jnp.inf)  # [R]
 
     p_on = active & (top_p < 1.0)
-    inside = (t1 > zlast) | (kc == vocab)  # every kept token is a candidate
+    # Every kept value is a candidate's value; tokens outside the candidates
+    # can only be kept as ties of zlast.
+    covered = (t1 >= zlast) | (kc == vocab)  # [R] bool
     q = jnp.where(cand_z >= t1[:, None], jnp.exp(cand_z - zmax[:, None]), 0.0)  # [R, KC]
     cum = jnp.cumsum(q, axis=-1)  # [R, KC]
-
-    def kept_mass(_: jax.Array) -> jax.Array:  # sum over z >= t1 of exp(z - zmax)
-        e = jnp.where(z >= t1[:, None], jnp.exp(z - zmax[:, None]), 0.0)
-        return jnp.where(inside, cum[:, -1], jnp.sum(e, axis=-1))
-
-    mass = lax.cond(jnp.any(p_on & ~inside), kept_mass, lambda c: c, cum[:, -1])
+    n_tied = jnp.sum(z >= zlast[:, None], axis=-1, dtype=jnp.int32) - kc  # [R] outside ties
+    tied = (t1 <= zlast) & (n_tied > 0)
+    tied_mass = jnp.where(tied, n_tied.astype(jnp.float32) * jnp.exp(zlast - zmax), 0.0)
+    mass = cum[:, -1] + tied_mass  # [R]: sum over z >= t1 of exp(z - zmax), covered rows
+    if search:
+        weights = jnp.where(z >= t1[:, None], jnp.exp(z - zmax[:, None]), 0.0)  # [R, V]
+        mass = jnp.where(covered, mass, jnp.sum(weights, axis=-1))
     target = top_p * mass  # [R]
     hit = cum >= target[:, None]  # [R, KC]
     t_p = jnp.take_along_axis(cand_z, jnp.argmax(hit, axis=-1)[:, None], axis=-1)[:, 0]
-    p_slow = p_on & ~jnp.any(hit, axis=-1)
-
-    def nucleus_by_search(t_p: jax.Array) -> jax.Array:
-        def weight_of(values: jax.Array) -> jax.Array:
-            return jnp.where(values >= t1[:, None], jnp.exp(values - zmax[:, None]), 0.0)
-        zmin = jnp.min(logits, axis=-1) / temperature  # [R]
-        s_above = jnp.sum(jnp.where(above, q, 0.0), axis=-1)  # [R]
-        found = search_threshold(z, weight_of(z), weight_of, target, jnp.maximum(t1, zmin), hi,
-                                 s_above, n_above, p_slow, kc)
-        return jnp.where(p_slow, found, t_p)
-
-    t_p = lax.cond(jnp.any(p_slow), nucleus_by_search, lambda t_p: t_p, t_p)
+    # No candidate reaches the target: in a covered row the nucleus is every
+    # kept token (the lowest kept value is t1 = zlast); else it ends below zlast.
+    p_slow = p_on & ~jnp.any(hit, axis=-1)  # [R] bool
+    t_p = jnp.where(p_slow, t1, t_p)
+    if search:
+        p_past = p_slow & ~covered
+        found = search_threshold(z, weights, target, jnp.maximum(t1, zmin), hi, p_past)
+        t_p = jnp.where(p_past, found, t_p)
     threshold = jnp.where(p_on, jnp.maximum(t1, t_p), t1)
     return threshold, cand_z, cand_ids
 
