@@ -24,3 +24,13 @@ def test_ci_runs_the_readme_test_command_verbatim():
     tests = _readme_commands()[1]
     ci = [line.strip() for line in (REPO / ".ci" / "run").read_text().splitlines()]
     assert tests in ci, f"{tests!r} is not a line of .ci/run"
+
+
+def test_one_step_implementation():
+    """Only the worker's model runner merges the model into a step: no second step to drift."""
+    merges = sorted(
+        str(path.relative_to(REPO)) for folder in ("jaxserve", "benchmarks", "tests")
+        for path in (REPO / folder).rglob("*.py")
+        if re.search(r"\bgraphdef\.merge\(", path.read_text()))
+    assert merges == ["jaxserve/worker/model_runner.py"], merges
+    assert not (REPO / "jaxserve" / "model" / "forward.py").exists()

@@ -1,19 +1,18 @@
 """The worker's executables for a ladder, as ``StepExecutable``s for the compile manager.
 
-Each entry is one jitted function of ``model_runner`` (static arguments
-bound) with the exact shapes and dtypes ``InProcessWorker.execute`` later
-calls it with, as ``jax.ShapeDtypeStruct``s (nothing is allocated or run):
+Each entry is one jitted function (static arguments bound) with the exact
+shapes and dtypes ``InProcessWorker`` later calls it with, as
+``jax.ShapeDtypeStruct``s (nothing is allocated or run):
 
-- body: ``run_body``, keyed on T: one per T on the ladder;
-- sampler: ``run_sampler`` (LM head + sampler), keyed on R: one per R;
-- penalty: ``gather_penalty_rows``, ``add_output_counts`` and
-  ``penalty_zeros`` per R, plus ``penalty_zeros`` at [M, V] (unless M is on
-  the R ladder) and ``set_penalty_row``: 3 per R, plus 1 or 2.
+- body: ``run_body``, keyed on T (its packed buffer's layout follows T): one
+  per T on the ladder;
+- sampler: ``run_sampler`` (LM head + sampler), keyed on R and the sampler
+  variant: |R ladder| × |SAMPLER_VARIANTS|;
+- rows: ``sync_rows`` per R (new rows' staged writes, padded to R) and
+  ``set_penalty_row``: |R ladder| + 1.
 
-The body's attention metadata has a fixed RA = M rows and returns a fixed
-``[M, D]`` hidden array, so the body does not depend on R nor the sampler
-on T. The penalty helpers run only in steps where a sampling row has a
-penalty, but they too are compiled at start-up so no step ever compiles.
+The body returns its sampling rows' hidden states in a fixed ``[M, D]``, so
+the body does not depend on R nor the sampler on T.
 
 Shape legend: T token bucket, R request bucket, M = max_num_seqs rows,
 MB blocks per row, D model dim, V vocab.
@@ -27,20 +26,25 @@ import functools
 import jax
 import numpy as np
 
-from jaxserve.model.attention import AttentionMetadata
 from jaxserve.model.kv_cache import KVCache
-from jaxserve.sampling_params import MAX_LOGPROBS
-from jaxserve.worker.model_runner import (add_output_counts, gather_penalty_rows, penalty_zeros,
-                                          run_body, run_sampler, set_penalty_row)
 from jaxserve.worker.compile_manager import StepExecutable
-from jaxserve.worker.inputs import prepare_sampling
+from jaxserve.worker.device_inputs import SampleSlots
+from jaxserve.worker.device_state import PenaltyState, host_rows, set_penalty_row, sync_rows
+from jaxserve.worker.inputs import StepLayout
+from jaxserve.worker.model_runner import run_body, run_sampler
 from jaxserve.worker.rows import RowState
+from jaxserve.worker.sampler import SAMPLER_VARIANTS, SamplerVariant
+from jaxserve.worker.sampler.variants import STAGES
 
 _I32 = np.int32
 
 
 def _spec(shape: tuple[int, ...], dtype) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, np.dtype(dtype))
+
+
+def _specs(tree):
+    return jax.tree.map(lambda x: _spec(x.shape, x.dtype), tree)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,8 +55,7 @@ class LadderShapes:
       graphdef, state: the model (``nnx.split``); the state's arrays are
         passed as they are (lowering does not read them).
       kv_cache: the KV cache or its ``ShapeDtypeStruct``s (only shapes matter).
-      rows: the worker's ``RowState`` (M, MB, V and the padding row's
-        sampling parameters).
+      rows: the worker's ``RowState`` (M, MB, V, S and the rows' dtypes).
       hidden: ``ShapeDtypeStruct`` of the body's gathered hidden states [M, D].
       backend: the attention backend.
     """
@@ -64,27 +67,50 @@ class LadderShapes:
     hidden: jax.ShapeDtypeStruct
     backend: str
 
+    def layout(self, num_tokens: int) -> StepLayout:
+        rows = self.rows
+        return StepLayout.for_bucket(num_tokens, rows.max_num_seqs, rows.block_size)
+
+    @property
+    def device_rows(self):
+        return _specs(host_rows(self.rows))
+
+    @property
+    def penalty(self) -> PenaltyState:
+        shape = (self.rows.max_num_seqs + 1, self.rows.vocab_size)
+        return PenaltyState(_spec(shape, np.bool_), _spec(shape, _I32))
+
 
 def body_executable(shapes: LadderShapes, num_tokens: int, key: str = "") -> StepExecutable:
-    """``run_body`` at T = ``num_tokens``, RA = M attention rows; the KV cache donated."""
-    t, m, mb = num_tokens, shapes.rows.max_num_seqs, shapes.rows.max_blocks
-    metadata = AttentionMetadata(slot_mapping=_spec((t,), _I32), block_table=_spec((m, mb), _I32),
-                                 seq_lens=_spec((m,), _I32), query_start_loc=_spec((m + 1,), _I32))
-    fn = functools.partial(run_body, shapes.graphdef, backend=shapes.backend)
-    args = (shapes.state, shapes.kv_cache, _spec((t,), _I32), _spec((t,), _I32), metadata,
-            _spec((m,), _I32))
-    return StepExecutable("body", f"body[T={t}]", fn, args, donate=(1,), key=key)
+    """``run_body`` at T = ``num_tokens``; the KV cache and block table donated."""
+    layout, m = shapes.layout(num_tokens), shapes.rows.max_num_seqs
+    fn = functools.partial(run_body, shapes.graphdef, layout=layout, backend=shapes.backend)
+    args = (shapes.state, shapes.kv_cache, shapes.device_rows.block_table, _spec((m + 1,), _I32),
+            _spec((layout.size,), _I32))
+    return StepExecutable("body", f"body[T={num_tokens}]", fn, args, donate=(1, 2), key=key)
 
 
-def sampler_executable(shapes: LadderShapes, num_reqs: int, key: str = "") -> StepExecutable:
-    """``run_sampler`` (LM head + sampler) at R = ``num_reqs``."""
-    v = shapes.rows.vocab_size
-    metadata = prepare_sampling(shapes.rows, np.zeros(0, _I32), num_reqs,
-                                _spec((num_reqs, v), np.bool_), _spec((num_reqs, v), _I32),
-                                MAX_LOGPROBS)
-    fn = functools.partial(run_sampler, shapes.graphdef)
-    args = (shapes.state, shapes.hidden, metadata, _spec((2,), np.uint32))
-    return StepExecutable("sampler", f"sampler[R={num_reqs}]", fn, args, key=key)
+def variant_name(variant: SamplerVariant) -> str:
+    """A short name: the variant's stages joined by "+", or "greedy"."""
+    return "+".join(s for s in STAGES if getattr(variant, s)) or "greedy"
+
+
+def sampler_name(num_reqs: int, variant: SamplerVariant) -> str:
+    return f"sampler[R={num_reqs},{variant_name(variant)}]"
+
+
+def sampler_executable(shapes: LadderShapes, num_reqs: int, variant: SamplerVariant,
+                       key: str = "") -> StepExecutable:
+    """``run_sampler`` (LM head + sampler) at R = ``num_reqs`` in ``variant``."""
+    m = shapes.rows.max_num_seqs
+    slots = SampleSlots(logits_indices=_spec((m,), _I32), rows=_spec((m,), _I32),
+                        positions=_spec((m,), _I32), server_key=_spec((2,), np.uint32))
+    penalty = shapes.penalty if variant.processing else PenaltyState(None, None)
+    fn = functools.partial(run_sampler, shapes.graphdef, num_reqs=num_reqs, variant=variant)
+    args = (shapes.state, shapes.hidden, slots, shapes.device_rows, _spec((m + 1,), _I32),
+            penalty.prompt_mask, penalty.output_counts)
+    return StepExecutable("sampler", sampler_name(num_reqs, variant), fn, args,
+                          donate=(4, 6), key=key)
 
 
 def lower_body(shapes: LadderShapes, num_tokens: int) -> jax.stages.Lowered:
@@ -93,8 +119,8 @@ def lower_body(shapes: LadderShapes, num_tokens: int) -> jax.stages.Lowered:
 
 
 def lower_sampler(shapes: LadderShapes, num_reqs: int) -> jax.stages.Lowered:
-    """``run_sampler`` lowered at R = ``num_reqs``."""
-    return sampler_executable(shapes, num_reqs).lower()
+    """``run_sampler`` lowered at R = ``num_reqs`` in the most general variant."""
+    return sampler_executable(shapes, num_reqs, SAMPLER_VARIANTS[-1]).lower()
 
 
 def shape_material(shapes: LadderShapes) -> str:
@@ -109,32 +135,25 @@ def shape_material(shapes: LadderShapes) -> str:
     leaves = [(tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(arrays)]
     rows = shapes.rows
     return repr((repr(shapes.graphdef.graphdef), str(jax.tree.structure(arrays)), leaves,
-                 rows.max_num_seqs, rows.max_blocks, rows.vocab_size, shapes.backend))
+                 rows.max_num_seqs, rows.max_blocks, rows.block_size, rows.vocab_size,
+                 shapes.backend))
 
 
 def ladder_executables(shapes: LadderShapes, token_buckets: tuple[int, ...],
                        request_buckets: tuple[int, ...]) -> list[StepExecutable]:
-    """Every executable ``execute`` can call for these ladders (see the module docstring)."""
-    m, v = shapes.rows.max_num_seqs, shapes.rows.vocab_size
-    mask, counts = _spec((m, v), np.bool_), _spec((m, v), _I32)
+    """Every executable the worker can call for these ladders (see the module docstring)."""
+    v = shapes.rows.vocab_size
     key = shape_material(shapes)
     out = [body_executable(shapes, t, key) for t in token_buckets]
-    out += [sampler_executable(shapes, r, key) for r in request_buckets]
+    out += [sampler_executable(shapes, r, variant, key)
+            for r in request_buckets for variant in SAMPLER_VARIANTS]
+    full = shapes.device_rows
     for r in request_buckets:
-        rows = _spec((r,), _I32)
-        out += [
-            StepExecutable("penalty", f"gather_penalty_rows[R={r}]", gather_penalty_rows,
-                           (mask, counts, rows), key=key),
-            StepExecutable("penalty", f"add_output_counts[R={r}]", add_output_counts,
-                           (counts, rows, rows), donate=(0,), key=key),
-            StepExecutable("penalty", f"penalty_zeros[R={r}]", functools.partial(
-                penalty_zeros, num_rows=r, vocab_size=v), (), key=key),
-        ]
-    if m not in request_buckets:
-        out.append(StepExecutable("penalty", f"penalty_zeros[M={m}]", functools.partial(
-            penalty_zeros, num_rows=m, vocab_size=v), (), key=key))
+        part = jax.tree.map(lambda x: _spec((r,) + x.shape[1:], x.dtype), full)
+        out.append(StepExecutable("rows", f"sync_rows[R={r}]", sync_rows,
+                                  (full, _spec((r,), _I32), part), donate=(0,), key=key))
     out.append(StepExecutable(
-        "penalty", "set_penalty_row", set_penalty_row,
-        (mask, counts, _spec((), _I32), _spec((v,), np.bool_), _spec((v,), _I32)),
-        donate=(0, 1), key=key))
+        "rows", "set_penalty_row", set_penalty_row,
+        (shapes.penalty, _spec((), _I32), _spec((v,), np.bool_), _spec((v,), _I32)),
+        donate=(0,), key=key))
     return out

@@ -1,28 +1,41 @@
-"""The in-process worker: model, KV cache, persistent rows and the jitted step.
+"""The in-process worker: model, KV cache, persistent device rows and the jitted step.
 
 Implements ``jaxserve.step_plan.Worker``; the worker process
 (``jaxserve.worker.server``) serves this same class over gRPC.
 
 ``initialize(init)`` loads the model, sizes the KV cache (``kv_sizing``),
-allocates it and the rows, then compiles every executable of the ladders
-(``executables`` + ``compile_manager``; or loads them from the persistent
-compilation cache) and arms the recompile guard.
+allocates it and the persistent rows on the device (``device_state``), then
+compiles every executable of the ladders (``executables`` +
+``compile_manager``; or loads them from the persistent compilation cache)
+and arms the recompile guard.
 
-``execute(plan)``:
+``submit(plan)`` dispatches a step and returns at once with a
+``PendingStep``; ``execute(plan)`` is ``submit(plan).result()``. Dispatching:
 
-1. applies the plan's row diffs to the host ``RowState`` (freed rows, new
-   rows, appended blocks) and, for rows with penalties, to the device
-   penalty statistics;
-2. builds the fixed-shape inputs of the bucket (``inputs.py``) and runs
-   ``run_body`` (keyed on T) and, if any row samples, ``run_sampler``
-   (keyed on R);
-3. appends the sampled tokens to the rows (they are the next decode
-   inputs) and returns them with logprobs when asked, and the step's
-   worker and device times.
+1. the plan's row diffs update the host mirror (``rows.RowState``); a new
+   row is written to the device rows by one staged write per step
+   (``sync_rows``, padded to an R bucket) and, with penalties, by
+   ``set_penalty_row``;
+2. the schedule is validated and packed into one i32 buffer
+   (``inputs.pack``), **the step's only upload**;
+3. ``run_body`` (keyed on T) builds the step's inputs on the device, a
+   decode row's input id being the row's last sampled token on the device,
+   and, when rows sample, ``run_sampler`` (keyed on R and the sampler
+   variant chosen from the rows' parameters) draws the tokens, writes them
+   to the rows' ``last_token`` and starts their copy to the host
+   (``copy_to_host_async``), **the step's only download**.
+
+Nothing in a dispatch waits for the device, so the caller dispatches step
+N + 1 before it reads step N's tokens (``PendingStep.result``): the host's
+work for step N + 1 overlaps step N on the device. Device work runs in
+dispatch order, so a row freed and reused while an older step that used it
+is in flight cannot be corrupted: the older step reads and writes the row
+before the newer step's writes.
 
 Buckets off the ladders are refused (ValueError). ``executed_buckets``
-counts the (T, R) pairs run, and ``num_compiled()`` the executables jit
-holds. Not thread-safe: one caller at a time, plans in step order.
+counts the (T, R) pairs run, ``executed_variants`` the sampler variants.
+Dispatch is not thread-safe (one caller at a time, plans in step order);
+``PendingStep.result`` may be called from another thread.
 """
 
 from __future__ import annotations
@@ -31,26 +44,80 @@ import collections
 import dataclasses
 import functools
 import logging
+import threading
 import time
 
 import jax
 import numpy as np
 
-from jaxserve.model.attention import AttentionMetadata, default_backend
+from jaxserve.model.attention import default_backend
 from jaxserve.model.kv_cache import (KVCache, init_kv_cache, kv_cache_bytes_per_block,
                                       kv_cache_shapes)
 from jaxserve.model.loader import is_scanned, load_model, resolve_dtype
-from jaxserve.sampling_params import MAX_LOGPROBS
 from jaxserve.step_plan import Geometry, StepPlan, StepResult, WorkerInit, WorkerStatus
+from jaxserve.worker import device_state as ds
 from jaxserve.worker import model_runner as mr
 from jaxserve.worker.compile_manager import (RecompileGuard, StepFunction, compile_all,
                                              configure_persistent_cache, program_store)
-from jaxserve.worker.executables import LadderShapes, ladder_executables, lower_body, lower_sampler
-from jaxserve.worker.inputs import prepare_body_inputs, prepare_sampling
+from jaxserve.worker.executables import (LadderShapes, ladder_executables, lower_body,
+                                         lower_sampler, sampler_name, variant_name)
+from jaxserve.worker.inputs import StepLayout, pack, query_input_ids
 from jaxserve.worker.kv_sizing import device_memory, num_kv_blocks, peak_activation_bytes
 from jaxserve.worker.rows import RowState
+from jaxserve.worker.sampler import SamplerOutput, choose_variant
 
 logger = logging.getLogger(__name__)
+
+
+class PendingStep:
+    """A dispatched step; ``result()`` waits for its tokens (once) and returns them.
+
+    Attributes:
+      step_id: the plan's step id.
+    """
+
+    def __init__(self, step_id: int, num_sampled: int, out: SamplerOutput | None,
+                 logprobs: bool, done: jax.Array, dispatched: float, host_seconds: float,
+                 on_done=None):
+        self.step_id = step_id
+        self._num_sampled, self._out, self._logprobs, self._done = num_sampled, out, logprobs, done
+        self._dispatched, self._host_seconds, self._on_done = dispatched, host_seconds, on_done
+        self._lock = threading.Lock()
+        self._result: StepResult | None = None
+
+    def result(self) -> StepResult:
+        """The step's ``StepResult`` (blocks until the tokens are on the host)."""
+        with self._lock:
+            if self._result is None:
+                self._result = self._fetch()
+                if self._on_done is not None:
+                    self._on_done(self._result)
+            return self._result
+
+    def _fetch(self) -> StepResult:
+        start, s = time.perf_counter(), self._num_sampled
+        if self._out is None:
+            self._done.block_until_ready()
+            result = StepResult(self.step_id, np.zeros(0, np.int32))
+        elif not self._logprobs:
+            result = StepResult(self.step_id, fetch(self._out.token_ids)[:s])
+        else:
+            out = fetch(self._out)
+            result = StepResult(self.step_id, out.token_ids[:s], out.logprob[:s], out.rank[:s],
+                                out.top_token_ids[:s], out.top_logprobs[:s])
+        end = time.perf_counter()
+        return dataclasses.replace(result, device_seconds=end - self._dispatched,
+                                   execute_seconds=self._host_seconds + end - start)
+
+
+def upload(tree):
+    """An explicit host → device copy (tests count the calls: one per steady step)."""
+    return jax.device_put(tree)
+
+
+def fetch(tree):
+    """The explicit device → host copy of a step's results (tests count the calls)."""
+    return jax.device_get(tree)
 
 
 class InProcessWorker:
@@ -66,6 +133,7 @@ class InProcessWorker:
         self._loaded = loaded
         self._progress = progress
         self.executed_buckets: collections.Counter[tuple[int, int]] = collections.Counter()
+        self.executed_variants: collections.Counter[str] = collections.Counter()
         self.execute_seconds = 0.0
         self.device_seconds = 0.0
         self.num_steps = 0
@@ -76,7 +144,7 @@ class InProcessWorker:
 
     # ---------------------------------------------------------------- set-up
     def initialize(self, init: WorkerInit) -> Geometry:
-        """Loads the model, sizes and allocates the KV cache, compiles the ladders.
+        """Loads the model, sizes and allocates the KV cache and rows, compiles the ladders.
 
         Raises:
           ValueError: a KV cache of fewer than 2 blocks, or a ladder above the
@@ -97,10 +165,17 @@ class InProcessWorker:
         self.model_config, self.init = config, init
         max_len = config.max_position_embeddings
         max_model_len = min(init.max_model_len or max_len, max_len)
-        self.rows = RowState(init.max_num_seqs, max_model_len, init.block_size,
-                             config.vocab_size, config.eos_token_ids)
+        m = init.max_num_seqs
+        self.rows = RowState(m, max_model_len, init.block_size, config.vocab_size,
+                             config.eos_token_ids)
         self.backend = init.attention_backend or default_backend()
-        hidden = jax.ShapeDtypeStruct((init.max_num_seqs, config.hidden_size), dtype)
+        # The persistent rows first: automatic KV sizing counts them as in use.
+        self.device_rows = jax.device_put(ds.host_rows(self.rows))
+        self.last_token = jax.device_put(np.zeros(m + 1, np.int32))
+        self.penalty = jax.device_put(ds.PenaltyState(
+            np.zeros((m + 1, config.vocab_size), bool),
+            np.zeros((m + 1, config.vocab_size), np.int32)))
+        hidden = jax.ShapeDtypeStruct((m, config.hidden_size), dtype)
         shapes = lambda kv: LadderShapes(self.graphdef, self.state, kv, self.rows,  # noqa: E731
                                          hidden, self.backend)
         num_blocks = num_kv_blocks(
@@ -112,10 +187,9 @@ class InProcessWorker:
             raise ValueError(f"the KV cache must have >= 2 blocks, got {num_blocks}")
         self.kv_cache = init_kv_cache(config, num_blocks, init.block_size, dtype,
                                       stacked=init.scan_layers)
-        self.token_buckets = frozenset(init.token_buckets)
-        self.request_buckets = frozenset(init.request_buckets)
-        self.prompt_mask = self.output_counts = None  # [M, V] on device, on first penalty row
-        self._zeros: dict[int, tuple[jax.Array, jax.Array]] = {}
+        self.layouts = {t: StepLayout.for_bucket(t, m, init.block_size)
+                        for t in init.token_buckets}
+        self.request_buckets = tuple(sorted(init.request_buckets))
         self.guard = RecompileGuard(strict=init.strict_recompile)
         if init.precompile:
             self.compile_report = compile_all(
@@ -145,8 +219,7 @@ class InProcessWorker:
 
     def shutdown(self) -> None:
         self.ready = False
-        self.kv_cache = self.prompt_mask = self.output_counts = None
-        self._zeros = {}
+        self.kv_cache = self.device_rows = self.last_token = self.penalty = None
 
     def num_compiled(self) -> dict[str, int]:
         """Executables held by jit per function (all processes' jit caches share them)."""
@@ -170,88 +243,103 @@ class InProcessWorker:
 
     # --------------------------------------------------------------- a step
     def execute(self, plan: StepPlan) -> StepResult:
-        """Runs one step plan; see the module docstring.
+        """Runs one step plan and waits for its tokens; see the module docstring."""
+        return self.submit(plan).result()
+
+    def submit(self, plan: StepPlan) -> PendingStep:
+        """Dispatches one step plan without waiting for the device.
 
         Raises:
           ValueError: a bucket off the ladders, or a plan inconsistent with
-            the rows (see ``RowState`` and ``prepare_body_inputs``).
+            the rows (see ``RowState`` and ``inputs.query_input_ids``).
           RecompileError: the step compiled after warm-up (strict mode).
         """
         start = time.perf_counter()
         t, r = plan.num_tokens_bucket, plan.num_reqs_bucket
-        if t not in self.token_buckets or (r and r not in self.request_buckets):
+        if t not in self.layouts or (r and r not in self.request_buckets):
             raise ValueError(f"bucket (T={t}, R={r}) is not on the ladders")
         with self.guard.watch(f"step {plan.step_id} (T={t}, R={r})"):
-            result, device_seconds = self._run(plan, t, r)
+            pending = self._dispatch(plan, self.layouts[t], r, start)
         self.executed_buckets[(t, r)] += 1
         self.num_steps += 1
-        elapsed = time.perf_counter() - start
-        self.execute_seconds += elapsed
-        self.device_seconds += device_seconds
-        return dataclasses.replace(result, execute_seconds=elapsed, device_seconds=device_seconds)
+        return pending
 
-    def _run(self, plan: StepPlan, t: int, r: int) -> tuple[StepResult, float]:
+    def _count(self, result: StepResult) -> None:
+        self.execute_seconds += result.execute_seconds
+        self.device_seconds += result.device_seconds
+
+    def _dispatch(self, plan: StepPlan, layout: StepLayout, r: int, start: float) -> PendingStep:
         rows = self.rows
         rows.free(plan.freed_rows)
+        synced = {new.row for new in plan.new_rows}
         for new in plan.new_rows:
             meta = rows.add(new)
             if rows.has_penalty[new.row]:
-                self._set_penalty_row(new.row, meta.prompt_mask[0], meta.output_counts[0])
-        rows.append_blocks(plan.append_rows, plan.append_block_ids)
-        body = prepare_body_inputs(rows, plan, rows.max_num_seqs)
-        attention = AttentionMetadata(slot_mapping=body.slot_mapping, block_table=body.block_table,
-                                      seq_lens=body.seq_lens, query_start_loc=body.query_start_loc)
+                self.penalty = self._call("set_penalty_row", ds.set_penalty_row, self.penalty,
+                                          *upload((np.int32(new.row), meta.prompt_mask[0],
+                                                   meta.output_counts[0])))
+        append_rows, append_blocks = plan.append_rows, plan.append_block_ids
+        append_index = rows.append_blocks(append_rows, append_blocks)
+        if len(append_rows) > layout.num_appends:  # rare: resend those rows' whole tables
+            synced.update(append_rows.tolist())
+            append_rows = append_index = append_blocks = np.zeros(0, np.int32)
+        input_ids = query_input_ids(rows, plan)
+        if synced:
+            self._sync_rows(np.array(sorted(synced), np.int32))
+        buffer = upload(pack(
+            layout, seed=self.init.seed, step_id=plan.step_id, input_ids=input_ids,
+            rows=plan.rows, num_computed=plan.num_computed, num_tokens=plan.num_tokens,
+            sample=plan.sample, append_rows=append_rows, append_index=append_index,
+            append_blocks=append_blocks))
         dispatched = time.perf_counter()
-        hidden, self.kv_cache = self._call(
-            f"body[T={t}]", functools.partial(mr.run_body, self.graphdef, backend=self.backend),
-            self.state, self.kv_cache, body.input_ids, body.positions, attention,
-            body.logits_indices)
+        self.kv_cache, block_table, hidden, slots = self._call(
+            f"body[T={layout.num_tokens}]", functools.partial(
+                mr.run_body, self.graphdef, layout=layout, backend=self.backend),
+            self.state, self.kv_cache, self.device_rows.block_table, self.last_token, buffer)
+        self.device_rows = dataclasses.replace(self.device_rows, block_table=block_table)
+        sample_rows = plan.rows[plan.sample]  # [s]
         if not r:
-            hidden.block_until_ready()
-            return (StepResult(plan.step_id, np.zeros(0, np.int32)),
-                    time.perf_counter() - dispatched)
-        return self._sample(plan, hidden, body.sample_rows, r, dispatched)
+            return PendingStep(plan.step_id, 0, None, False, slots.rows, dispatched,
+                               time.perf_counter() - start, self._count)
+        variant = self._variant(sample_rows)
+        rows.count_sampled(sample_rows)
+        penalty = self.penalty if variant.processing else ds.PenaltyState(None, None)
+        out, self.last_token, counts = self._call(
+            sampler_name(r, variant), functools.partial(
+                mr.run_sampler, self.graphdef, num_reqs=r, variant=variant),
+            self.state, hidden, slots, self.device_rows, self.last_token,
+            penalty.prompt_mask, penalty.output_counts)
+        if variant.processing:
+            self.penalty = ds.PenaltyState(self.penalty.prompt_mask, counts)
+        self.executed_variants[variant_name(variant)] += 1
+        logprobs = bool((rows.params["num_logprobs"][sample_rows] >= 0).any())
+        for leaf in jax.tree.leaves(out if logprobs else out.token_ids):
+            leaf.copy_to_host_async()
+        return PendingStep(plan.step_id, len(sample_rows), out, logprobs, out.token_ids,
+                           dispatched, time.perf_counter() - start, self._count)
 
-    def _sample(self, plan: StepPlan, hidden: jax.Array, sample_rows: np.ndarray,
-                r: int, dispatched: float) -> tuple[StepResult, float]:
-        rows, s = self.rows, len(sample_rows)
-        padded = np.full(r, rows.max_num_seqs, np.int32)
-        padded[:s] = sample_rows
-        penalized = bool(rows.has_penalty[padded].any())
-        if penalized:
-            mask, counts = self._call(f"gather_penalty_rows[R={r}]", mr.gather_penalty_rows,
-                                      self.prompt_mask, self.output_counts, padded)
-        else:
-            if r not in self._zeros:
-                self._zeros[r] = self._call(f"penalty_zeros[R={r}]", functools.partial(
-                    mr.penalty_zeros, num_rows=r, vocab_size=rows.vocab_size))
-            mask, counts = self._zeros[r]
-        metadata = prepare_sampling(rows, sample_rows, r, mask, counts, MAX_LOGPROBS)
-        key = np.array([self.init.seed & 0xFFFFFFFF, plan.step_id & 0xFFFFFFFF], np.uint32)
-        out = self._call(f"sampler[R={r}]", functools.partial(mr.run_sampler, self.graphdef),
-                         self.state, hidden, metadata, key)
-        if penalized:
-            self.output_counts = self._call(f"add_output_counts[R={r}]", mr.add_output_counts,
-                                            self.output_counts, padded, out.token_ids)
-        token_ids = np.asarray(out.token_ids)[:s]
-        rows.append_sampled(sample_rows, token_ids)
-        if not (metadata.num_logprobs[:s] >= 0).any():
-            return StepResult(plan.step_id, token_ids), time.perf_counter() - dispatched
-        logprob, rank, top_lp, top_ids = jax.device_get(
-            (out.logprob, out.rank, out.top_logprobs, out.top_token_ids))
-        device_seconds = time.perf_counter() - dispatched
-        return (StepResult(plan.step_id, token_ids, logprob[:s], rank[:s], top_ids[:s],
-                           top_lp[:s]), device_seconds)
+    def _variant(self, sample_rows: np.ndarray):
+        """The cheapest sampler variant exact for these rows (host parameters only)."""
+        rows = self.rows
+        p = {f: v[sample_rows] for f, v in rows.params.items()}
+        num_output = rows.num_tokens[sample_rows] - rows.num_prompt_tokens[sample_rows]
+        ban_active = (num_output < rows.min_tokens[sample_rows]) & (p["banned_ids"] >= 0).any(1)
+        return choose_variant(
+            p["temperature"], p["top_k"], p["top_p"], p["min_p"], p["repetition_penalty"],
+            p["presence_penalty"], p["frequency_penalty"], p["logit_bias_ids"], ban_active,
+            p["num_logprobs"], rows.vocab_size)
 
-    def _set_penalty_row(self, row: int, mask_row: np.ndarray, counts_row: np.ndarray) -> None:
+    def _sync_rows(self, rows: np.ndarray) -> None:
+        """One staged write of whole rows (host mirror → device), padded to an R bucket."""
         m = self.rows.max_num_seqs
-        if self.prompt_mask is None:
-            name = f"penalty_zeros[R={m}]" if m in self.request_buckets else f"penalty_zeros[M={m}]"
-            self.prompt_mask, self.output_counts = self._call(name, functools.partial(
-                mr.penalty_zeros, num_rows=m, vocab_size=self.rows.vocab_size))
-        self.prompt_mask, self.output_counts = self._call(
-            "set_penalty_row", mr.set_penalty_row, self.prompt_mask, self.output_counts,
-            np.int32(row), mask_row, counts_row)
+        for i in range(0, len(rows), self.request_buckets[-1]):
+            part = rows[i:i + self.request_buckets[-1]]
+            r = next(b for b in self.request_buckets if b >= len(part))
+            index = np.full(r, m + 1, np.int32)  # M + 1: dropped
+            index[:len(part)] = part
+            values = ds.host_rows(self.rows, np.minimum(index, m))
+            self.device_rows = self._call(f"sync_rows[R={r}]", ds.sync_rows, self.device_rows,
+                                          *upload((index, values)))
 
     def _call(self, name: str, jitted, *args):
         """Runs ladder executable ``name``: the ``StepFunction`` compiled at start-up, or —

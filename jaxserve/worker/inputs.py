@@ -1,14 +1,36 @@
-"""Host-side (NumPy) construction of one step's fixed-shape inputs from rows + schedule.
+"""The host half of a step: one packed i32 buffer, the step's only upload.
 
-``prepare_body_inputs`` lays the scheduled rows' query tokens out in token
-order and pads everything to the bucket: T tokens, and a fixed RA attention
-rows (``max_num_seqs``) so the model body is keyed on T alone. Padding
-tokens have id 0, position 0 and a slot in the null block; padding rows
-have ``seq_len`` 0 and a null block table. ``prepare_sampling`` gathers the
-sampling rows' parameters, padded to R with the neutral padding row.
+A step's executables build every fixed-shape input on the device
+(``device_inputs.py``) from the persistent device rows and this buffer,
+whose layout is fixed by the token bucket T (``StepLayout``):
 
-Shape legend: T token bucket, RA attention rows, MB blocks per row, R
-request bucket, n scheduled rows, s sampling rows.
+====================  ======  =================================================
+segment               length  content (padding)
+====================  ======  =================================================
+header                2       server seed (low 32 bits), step id
+``input_ids``         T       query tokens the host knows (prompt tokens, and
+                              a resumed sequence's earlier output); -1 = the
+                              row's last sampled token, read on the device (0)
+``rows``              RA      persistent row of each scheduled row (M)
+``num_computed``      RA      tokens of the row already in the KV cache (0)
+``num_tokens``        RA      query tokens of the row (0)
+``sample``            RA      1 if the row samples after its last token (0)
+``append_rows``       A       row of each block appended this step (M + 1:
+                              dropped by the device scatter)
+``append_index``      A       its index in the row's block table (0)
+``append_blocks``     A       the block id (0)
+====================  ======  =================================================
+
+RA = min(T, M) attention rows (every scheduled row runs at least one token,
+so a step of T tokens has at most T rows; a batch-1 decode in the T = 1
+bucket carries one row of metadata, not M), and A = 2 RA + ceil(T / S)
+appended blocks (a row running n tokens needs at most ceil(n / S) + 1 new
+blocks). A step whose appends do not fit resynchronises those rows' whole
+block-table rows instead (``InProcessWorker``). So the buffer is O(T), never
+O(rows × blocks) nor O(M), and independent of the context length.
+
+Shape legend: T token bucket, RA attention rows, A appended-block slots,
+M = max_num_seqs, S block size, n scheduled rows, s sampling rows.
 """
 
 from __future__ import annotations
@@ -18,84 +40,107 @@ import dataclasses
 import numpy as np
 
 from jaxserve.step_plan import StepPlan
-from jaxserve.worker.rows import PARAM_FIELDS, RowState
-from jaxserve.worker.sampler import SamplingMetadata
+from jaxserve.worker.rows import RowState
 
-NULL_BLOCK = 0
-
-
-@dataclasses.dataclass(frozen=True)
-class BodyInputs:
-    """NumPy inputs of the model body for one step."""
-
-    input_ids: np.ndarray  # [T] i32
-    positions: np.ndarray  # [T] i32
-    slot_mapping: np.ndarray  # [T] i32, padding -> null block
-    block_table: np.ndarray  # [RA, MB] i32, padding rows -> null block
-    seq_lens: np.ndarray  # [RA] i32, padding rows 0
-    query_start_loc: np.ndarray  # [RA + 1] i32
-    logits_indices: np.ndarray  # [RA] i32 last token of each sampling row, padding 0
-    sample_rows: np.ndarray  # [s] i32 persistent rows that sample, in plan order
+HEADER = 2  # seed, step id
+SEGMENTS = ("input_ids", "rows", "num_computed", "num_tokens", "sample", "append_rows",
+            "append_index", "append_blocks")
 
 
-def prepare_body_inputs(rows: RowState, plan: StepPlan, num_attention_rows: int) -> BodyInputs:
-    """Builds the body's inputs for ``plan`` (diffs already applied to ``rows``).
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepLayout:
+    """Where each segment of the packed step buffer lies (static: it keys executables).
+
+    Attributes:
+      num_tokens: T.
+      num_rows: RA = min(T, M).
+      num_appends: A.
+      max_num_seqs: M (the padding row's index).
+    """
+
+    num_tokens: int
+    num_rows: int
+    num_appends: int
+    max_num_seqs: int
+
+    @classmethod
+    def for_bucket(cls, num_tokens: int, max_num_seqs: int, block_size: int) -> StepLayout:
+        """The layout of token bucket T = ``num_tokens``."""
+        ra = min(num_tokens, max_num_seqs)
+        return cls(num_tokens, ra, 2 * ra - (-num_tokens // block_size), max_num_seqs)
+
+    def length(self, segment: str) -> int:
+        t, ra, a = self.num_tokens, self.num_rows, self.num_appends
+        return {"input_ids": t, "append_rows": a, "append_index": a,
+                "append_blocks": a}.get(segment, ra)
+
+    def segment(self, name: str) -> slice:
+        """The buffer slice of segment ``name``."""
+        start = HEADER
+        for seg in SEGMENTS:
+            if seg == name:
+                return slice(start, start + self.length(seg))
+            start += self.length(seg)
+        raise KeyError(name)
+
+    @property
+    def size(self) -> int:
+        """Length of the buffer, i32 elements."""
+        return HEADER + sum(self.length(s) for s in SEGMENTS)
+
+
+def pack(layout: StepLayout, *, seed: int, step_id: int, input_ids: np.ndarray,
+         rows: np.ndarray, num_computed: np.ndarray, num_tokens: np.ndarray, sample: np.ndarray,
+         append_rows: np.ndarray, append_index: np.ndarray,
+         append_blocks: np.ndarray) -> np.ndarray:
+    """The buffer i32[layout.size]: each segment's values, then its padding.
 
     Raises:
-      ValueError: a scheduled row is not in use, lacks the tokens or blocks
-        its query needs, samples before computing all its tokens, or the step
-        does not fit the bucket.
+      ValueError: a segment longer than the layout allows.
+    """
+    buffer = np.zeros(layout.size, np.int32)
+    buffer[:HEADER] = np.array([seed & 0xFFFFFFFF, step_id & 0xFFFFFFFF], np.uint32).view(np.int32)
+    values = dict(input_ids=input_ids, rows=rows, num_computed=num_computed,
+                  num_tokens=num_tokens, sample=sample, append_rows=append_rows,
+                  append_index=append_index, append_blocks=append_blocks)
+    padding = dict(rows=layout.max_num_seqs, append_rows=layout.max_num_seqs + 1)
+    for name in SEGMENTS:
+        part, where = np.asarray(values[name]), layout.segment(name)
+        if len(part) > layout.length(name):
+            raise ValueError(f"{name}: {len(part)} entries exceed the bucket's "
+                             f"{layout.length(name)} (T={layout.num_tokens})")
+        buffer[where][:len(part)] = part
+        buffer[where][len(part):] = padding.get(name, 0)
+    return buffer
+
+
+def query_input_ids(rows: RowState, plan: StepPlan) -> np.ndarray:
+    """Validates the plan's schedule against the rows; returns its input ids i32[total].
+
+    A query token the host knows (``RowState.num_known``) is its id; the one
+    token it may not know — a decode row's last token, sampled by an earlier
+    step, possibly still in flight — is -1 (read on the device).
+
+    Raises:
+      ValueError: a scheduled row is not in use or appears twice, lacks the
+        tokens or blocks its query needs, samples before computing all its
+        tokens, or needs a token that is neither known nor its last.
     """
     r, c, n = plan.rows, plan.num_computed, plan.num_tokens
-    k, t_bucket, s = len(r), plan.num_tokens_bucket, rows.block_size
-    total = int(n.sum())
     end = c + n  # [n]
-    if k > num_attention_rows or total > t_bucket:
-        raise ValueError(f"{k} rows / {total} tokens exceed {num_attention_rows} / {t_bucket}")
-    if k and (not rows.in_use[r].all() or (end > rows.num_tokens[r]).any()
-              or (end > rows.num_blocks[r] * s).any() or (n < 1).any()):
+    if len(r) and (not rows.in_use[r].all() or (end > rows.num_tokens[r]).any()
+                   or (end > rows.num_blocks[r] * rows.block_size).any() or (n < 1).any()
+                   or len(np.unique(r)) != len(r)):
         raise ValueError(f"step {plan.step_id}: rows {r.tolist()} lack tokens or blocks for "
                          f"num_computed {c.tolist()} + num_tokens {n.tolist()}")
     if (plan.sample & (end != rows.num_tokens[r])).any():
         raise ValueError(f"step {plan.step_id}: a row samples before computing all its tokens")
-    qsl = np.zeros(num_attention_rows + 1, np.int32)
-    np.cumsum(n, out=qsl[1:k + 1])
-    qsl[k + 1:] = total
+    start = np.cumsum(n) - n  # [n] first query token of each row
     tok_row = np.repeat(r, n)  # [total]
-    pos = np.arange(total, dtype=np.int32) + np.repeat(c - qsl[:k], n)  # [total]
-    input_ids = np.zeros(t_bucket, np.int32)
-    positions = np.zeros(t_bucket, np.int32)
-    slots = np.full(t_bucket, NULL_BLOCK * s, np.int32)
-    input_ids[:total] = rows.token_ids[tok_row, pos]
-    positions[:total] = pos
-    slots[:total] = rows.block_table[tok_row, pos // s] * s + pos % s
-    seq_lens = np.zeros(num_attention_rows, np.int32)
-    seq_lens[:k] = end
-    block_table = np.zeros((num_attention_rows, rows.max_blocks), np.int32)
-    block_table[:k] = rows.block_table[r]
-    logits_indices = np.zeros(num_attention_rows, np.int32)
-    last = qsl[1:k + 1][plan.sample] - 1
-    logits_indices[:len(last)] = last
-    return BodyInputs(input_ids, positions, slots, block_table, seq_lens, qsl, logits_indices,
-                      r[plan.sample])
-
-
-def prepare_sampling(rows: RowState, sample_rows: np.ndarray, num_reqs_bucket: int,
-                     prompt_mask, output_counts, max_num_logprobs: int) -> SamplingMetadata:
-    """The sampler's metadata for the sampling rows, padded to R with the padding row.
-
-    ``prompt_mask`` / ``output_counts`` ([R, V], device or host) are passed
-    through; the worker gathers them only when a row has penalties.
-    """
-    idx = np.full(num_reqs_bucket, rows.max_num_seqs, np.int32)  # padding row M
-    idx[:len(sample_rows)] = sample_rows
-    p = rows.params
-    fields = {f: p[f][idx] for f in PARAM_FIELDS}
-    positions = np.zeros(num_reqs_bucket, np.int32)
-    positions[:len(sample_rows)] = rows.num_tokens[sample_rows]
-    num_output = rows.num_tokens[sample_rows] - rows.num_prompt_tokens[sample_rows]
-    ban_active = np.zeros(num_reqs_bucket, bool)
-    ban_active[:len(sample_rows)] = num_output < rows.min_tokens[sample_rows]
-    return SamplingMetadata(positions=positions, ban_active=ban_active, prompt_mask=prompt_mask,
-                            output_counts=output_counts, max_num_logprobs=max_num_logprobs,
-                            **fields)
+    pos = np.arange(int(n.sum()), dtype=np.int32) + np.repeat(c - start, n)  # [total]
+    known = pos < rows.num_known[tok_row]
+    if (~known & (pos != rows.num_tokens[tok_row] - 1)).any():
+        raise ValueError(f"step {plan.step_id}: a query token is neither known to the worker "
+                         f"nor its row's last sampled token")
+    ids = rows.token_ids[tok_row, np.minimum(pos, rows.max_model_len - 1)]
+    return np.where(known, ids, -1).astype(np.int32)

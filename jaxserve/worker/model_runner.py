@@ -1,22 +1,24 @@
-"""The worker's jitted executables: the body keyed on T, logits + sampler keyed on R.
+"""The step's jitted executables: the body keyed on T, logits + sampler keyed on (R, variant).
 
-- ``run_body``: every layer over the step's T tokens (attention metadata with
-  a fixed RA = ``max_num_seqs`` rows), then the final hidden state of each
-  sampling row's last token, gathered into a fixed ``[RA, D]``: so its
-  output shape does not depend on T and the next executable is keyed on R
-  alone. The KV cache is donated (updated in place).
-- ``run_sampler``: the LM head over the first R gathered rows and the
-  sampler (``jaxserve.worker.sampler.sample``).
-- ``gather_penalty_rows`` / ``add_output_counts``: the penalty statistics
-  (``prompt_mask``, ``output_counts``) live on the device, ``[M, V]``, one
-  row per worker row; they are touched only in steps where a sampling row
-  has a penalty.
+This is the one implementation of the model step; the server, the parity
+tests and the benchmarks all run it.
 
-So the step executables number |T ladder| + |R ladder|, not the product;
-the penalty helpers add 3 per R (``gather_penalty_rows``,
-``add_output_counts``, ``penalty_zeros``) plus ``set_penalty_row`` and the
-``[M, V]`` ``penalty_zeros``, all compiled at start-up
-(``jaxserve.worker.executables``).
+- ``run_body``: applies the step's appended blocks to the persistent block
+  table, builds the step's inputs on the device (``device_inputs``), runs
+  every layer over the T tokens, and gathers the final hidden state of
+  each sampling row's last token into M fixed slots (so the sampler's
+  shapes do not depend on T). The KV cache and the block table are donated
+  (updated in place).
+- ``run_sampler``: the LM head over the first R slots, the sampling
+  parameters gathered from the persistent rows, and the sampler
+  (``jaxserve.worker.sampler.sample``) in the variant the host chose; then
+  each sampled token becomes its row's ``last_token`` (donated) and, in
+  variants that apply penalties, is counted in ``output_counts`` (donated).
+- ``run_body_logits``: the same body with the logits of every token (the
+  model parity tests compare them with transformers).
+
+So the step executables number |T ladder| + |R ladder| × |variants|, not a
+product with T; every one is compiled at start-up (``executables``).
 """
 
 from __future__ import annotations
@@ -26,72 +28,100 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxserve.model.attention import AttentionMetadata
 from jaxserve.model.graph import StaticGraph
 from jaxserve.model.kv_cache import KVCache
-from jaxserve.worker.sampler import SamplerOutput, SamplingMetadata, sample
+from jaxserve.sampling_params import MAX_LOGPROBS
+from jaxserve.worker.device_inputs import SampleSlots, apply_appends, step_inputs
+from jaxserve.worker.device_state import DeviceRows
+from jaxserve.worker.inputs import StepLayout
+from jaxserve.worker.rows import PARAM_FIELDS
+from jaxserve.worker.sampler import SamplerOutput, SamplerVariant, SamplingMetadata, sample
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "backend"), donate_argnames=("kv_cache",))
-def run_body(graphdef: StaticGraph, state: dict, kv_cache: KVCache, input_ids: jax.Array,
-             positions: jax.Array, metadata: AttentionMetadata, logits_indices: jax.Array, *,
-             backend: str) -> tuple[jax.Array, KVCache]:
+def _body(graphdef: StaticGraph, state: dict, kv_cache: KVCache, block_table: jax.Array,
+          last_token: jax.Array, buffer: jax.Array, layout: StepLayout, backend: str):
+    block_table = apply_appends(block_table, buffer, layout)
+    inputs = step_inputs(buffer, block_table, last_token, layout, kv_cache.block_size)
+    model = graphdef.merge(state)
+    hidden, kv_cache = model(inputs.input_ids, inputs.positions, kv_cache, inputs.attention,
+                             backend)  # [T, D]
+    return model, hidden, kv_cache, block_table, inputs.slots
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "layout", "backend"),
+                   donate_argnames=("kv_cache", "block_table"))
+def run_body(graphdef: StaticGraph, state: dict, kv_cache: KVCache, block_table: jax.Array,
+             last_token: jax.Array, buffer: jax.Array, *, layout: StepLayout, backend: str
+             ) -> tuple[KVCache, jax.Array, jax.Array, SampleSlots]:
     """The model body over one step.
 
     Args:
-      input_ids, positions: i32[T].
-      metadata: slot_mapping i32[T], block_table i32[RA, MB], seq_lens
-        i32[RA], query_start_loc i32[RA + 1].
-      logits_indices: i32[RA], the token whose hidden state each sampling row
-        needs (padding entries point anywhere in [0, T)).
+      graphdef, state: the split model (``load_model``).
+      kv_cache: the paged cache, donated.
+      block_table: i32[M + 1, MB], the persistent block table, donated.
+      last_token: i32[M + 1], each row's last sampled token.
+      buffer: i32[layout.size], the packed step (``inputs.pack``).
+      layout: the T bucket's layout (static).
+      backend: attention backend (``jaxserve.model.attention.ATTENTION_BACKENDS``).
 
     Returns:
-      (hidden [RA, D] in the parameter dtype, updated kv_cache).
+      (kv_cache, block_table, hidden [M, D] in the parameter dtype — slot j
+      holds the j-th sampling row's last token's state, slots)
     """
-    model = graphdef.merge(state)
-    hidden, kv_cache = model(input_ids, positions, kv_cache, metadata, backend)  # [T, D]
-    return hidden[logits_indices], kv_cache
+    _, hidden, kv_cache, block_table, slots = _body(graphdef, state, kv_cache, block_table,
+                                                    last_token, buffer, layout, backend)
+    return kv_cache, block_table, hidden[slots.logits_indices], slots
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",))
-def run_sampler(graphdef: StaticGraph, state: dict, hidden: jax.Array,
-                metadata: SamplingMetadata, server_key: jax.Array) -> SamplerOutput:
-    """Logits of the first R rows of ``hidden`` [RA, D], then one token per row.
+@functools.partial(jax.jit, static_argnames=("graphdef", "layout", "backend"),
+                   donate_argnames=("kv_cache", "block_table"))
+def run_body_logits(graphdef: StaticGraph, state: dict, kv_cache: KVCache,
+                    block_table: jax.Array, last_token: jax.Array, buffer: jax.Array, *,
+                    layout: StepLayout, backend: str) -> tuple[jax.Array, KVCache, jax.Array]:
+    """``run_body`` returning every token's logits f32[T, V] (padding tokens included)."""
+    model, hidden, kv_cache, block_table, _ = _body(graphdef, state, kv_cache, block_table,
+                                                    last_token, buffer, layout, backend)
+    return model.logits(hidden), kv_cache, block_table
 
-    R is the metadata's row count (the request bucket).
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "num_reqs", "variant"),
+                   donate_argnames=("last_token", "output_counts"))
+def run_sampler(graphdef: StaticGraph, state: dict, hidden: jax.Array, slots: SampleSlots,
+                device_rows: DeviceRows, last_token: jax.Array, prompt_mask: jax.Array | None,
+                output_counts: jax.Array | None, *, num_reqs: int, variant: SamplerVariant
+                ) -> tuple[SamplerOutput, jax.Array, jax.Array | None]:
+    """Logits of the first R slots, then one token per row.
+
+    Args:
+      hidden: [M, D], ``run_body``'s gathered states; slots: its ``SampleSlots``.
+      device_rows: the persistent rows ([M + 1, ...]).
+      last_token: i32[M + 1], donated.
+      prompt_mask, output_counts: bool / i32[M + 1, V] (``output_counts``
+        donated) in variants that apply penalties, else None.
+      num_reqs: R, the request bucket (static).
+      variant: the sampler variant (static; ``jaxserve.worker.sampler``).
+
+    Returns:
+      (SamplerOutput for R rows, last_token, output_counts or None)
     """
+    r = num_reqs
+    rows = slots.rows[:r]  # [R]; padding slots hold row M
+    positions = slots.positions[:r]  # [R]
     model = graphdef.merge(state)
-    logits = model.logits(hidden[:metadata.num_rows])  # [R, V] f32
+    logits = model.logits(hidden[:r])  # [R, V] f32
+    vocab = logits.shape[1]
+    if output_counts is None:
+        mask, counts = jnp.zeros((r, vocab), bool), jnp.zeros((r, vocab), jnp.int32)
+    else:
+        mask, counts = prompt_mask[rows], output_counts[rows]
+    metadata = SamplingMetadata(
+        positions=positions,
+        ban_active=positions - device_rows.num_prompt_tokens[rows] < device_rows.min_tokens[rows],
+        prompt_mask=mask, output_counts=counts, max_num_logprobs=MAX_LOGPROBS,
+        **{f: device_rows.params[f][rows] for f in PARAM_FIELDS})
     with jax.named_scope("sampler"):  # scope name: benchmarks/step_profile.py
-        return sample(logits, metadata, server_key)
-
-
-@jax.jit
-def gather_penalty_rows(prompt_mask: jax.Array, output_counts: jax.Array,
-                        rows: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """bool[M, V], i32[M, V], rows i32[R] → (bool[R, V], i32[R, V])."""
-    return prompt_mask[rows], output_counts[rows]
-
-
-@functools.partial(jax.jit, donate_argnames=("output_counts",))
-def add_output_counts(output_counts: jax.Array, rows: jax.Array,
-                      token_ids: jax.Array) -> jax.Array:
-    """Counts one sampled token per row: i32[M, V] (donated), rows i32[R] (M = padding, dropped)."""
-    return output_counts.at[rows, token_ids].add(1, mode="drop")
-
-
-@functools.partial(jax.jit, donate_argnames=("prompt_mask", "output_counts"))
-def set_penalty_row(prompt_mask: jax.Array, output_counts: jax.Array, row: jax.Array,
-                    mask_row: jax.Array, counts_row: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Writes one row's statistics (bool[V], i32[V]) into the donated [M, V] arrays."""
-    return prompt_mask.at[row].set(mask_row), output_counts.at[row].set(counts_row)
-
-
-@functools.partial(jax.jit, static_argnames=("num_rows", "vocab_size"))
-def penalty_zeros(num_rows: int, vocab_size: int) -> tuple[jax.Array, jax.Array]:
-    """Device zeros (bool[R, V], i32[R, V]): steps without penalties, and the [M, V] state.
-
-    Jitted with static shapes so that the warm-up compiles it (an eager
-    ``jnp.zeros`` would compile on first use).
-    """
-    return (jnp.zeros((num_rows, vocab_size), bool), jnp.zeros((num_rows, vocab_size), jnp.int32))
+        out = sample(logits, metadata, slots.server_key, variant=variant)
+    last_token = last_token.at[rows].set(out.token_ids)
+    if output_counts is not None:
+        output_counts = output_counts.at[rows, out.token_ids].add(1)
+    return out, last_token, output_counts

@@ -1,11 +1,22 @@
-"""The worker's persistent per-row state, on the host, updated by step-plan diffs.
+"""The worker's host mirror of its persistent rows, updated by step-plan diffs.
 
-One row per running sequence for its lifetime (DESIGN.md "The step plan"):
-its token ids (prompt, then what the worker itself sampled), its block
-table row, and its sampling parameters as the sampler's per-row arrays.
+One row per running sequence for its lifetime (docs/step_plan.md). The
+device holds what a step reads (``device_state.DeviceRows``: block table,
+sampling parameters, last sampled token); this host mirror holds what the
+worker needs to *plan* a step without asking the device:
+
+- the tokens the host knows (the prompt, and for a resumed sequence the
+  tokens generated before: everything ``NewRow.token_ids`` carried), so a
+  prefill chunk's input ids travel in the step's packed buffer;
+- how many tokens each row has (``num_tokens``), counting the tokens of
+  steps already dispatched whose values are still on the device — a decode
+  row's input is then the device's own last sampled token;
+- the block table and the sampling parameters, to validate plans, choose
+  the sampler variant, and resynchronise a device row when needed.
+
 Row ``M = max_num_seqs`` is a permanent *padding row* with neutral
-parameters, so that gathering ``params[rows_padded_with_M]`` gives the
-padded sampler inputs directly.
+parameters: gathering ``params[rows_padded_with_M]`` gives padded sampler
+inputs directly.
 
 Shape legend: M rows, L max model length, MB = ceil(L / S) blocks per row,
 V vocab, NB logit-bias width, NE banned-ids width.
@@ -45,11 +56,12 @@ class RowState:
         self.eos_token_ids = eos_token_ids
         self.max_blocks = -(-max_model_len // block_size)  # MB
         self.in_use = np.zeros(m, bool)  # [M]
-        self.token_ids = np.zeros((m, max_model_len), np.int32)  # [M, L]
-        self.num_tokens = np.zeros(m, np.int32)  # [M]
-        self.num_prompt_tokens = np.zeros(m, np.int32)  # [M]
+        self.token_ids = np.zeros((m, max_model_len), np.int32)  # [M, L] host-known tokens
+        self.num_known = np.zeros(m, np.int32)  # [M] tokens in token_ids
+        self.num_tokens = np.zeros(m, np.int32)  # [M] known + sampled by dispatched steps
+        self.num_prompt_tokens = np.zeros(m + 1, np.int32)  # [M + 1]
         self.min_tokens = np.zeros(m + 1, np.int32)  # [M + 1]
-        self.block_table = np.zeros((m, self.max_blocks), np.int32)  # [M, MB] null-padded
+        self.block_table = np.zeros((m + 1, self.max_blocks), np.int32)  # [M + 1, MB] null-padded
         self.num_blocks = np.zeros(m, np.int32)  # [M]
         self.has_penalty = np.zeros(m + 1, bool)  # [M + 1]
         pad = build_sampling_metadata([], prompt_token_ids=[], output_token_ids=[],
@@ -66,6 +78,7 @@ class RowState:
         if rows.size and not self.in_use[rows].all():
             raise ValueError(f"freeing rows not in use: {rows[~self.in_use[rows]].tolist()}")
         self.in_use[rows] = False
+        self.num_known[rows] = 0
         self.num_tokens[rows] = 0
         self.num_blocks[rows] = 0
         self.block_table[rows] = 0
@@ -96,7 +109,7 @@ class RowState:
             self.params[f][r] = getattr(meta, f)[0]
         self.in_use[r] = True
         self.token_ids[r, :p] = ids
-        self.num_tokens[r] = p
+        self.num_known[r] = self.num_tokens[r] = p
         self.num_prompt_tokens[r] = new.num_prompt_tokens
         self.min_tokens[r] = sp.min_tokens
         self.has_penalty[r] = (sp.repetition_penalty != 1.0 or sp.presence_penalty != 0.0
@@ -107,22 +120,29 @@ class RowState:
         self.num_blocks[r] = nb
         return meta
 
-    def append_blocks(self, rows: np.ndarray, block_ids: np.ndarray) -> None:
+    def append_blocks(self, rows: np.ndarray, block_ids: np.ndarray) -> np.ndarray:
         """Appends blocks (in order) to rows; i32[A] each.
+
+        Returns:
+          i32[A], each block's index in its row's block table.
 
         Raises:
           ValueError: a row not in use, or a row's table would overflow.
         """
-        for r, b in zip(rows.tolist(), block_ids.tolist()):
+        index = np.empty(len(rows), np.int32)
+        for i, (r, b) in enumerate(zip(rows.tolist(), block_ids.tolist())):
             n = self.num_blocks[r]
             if not self.in_use[r] or n >= self.max_blocks:
                 raise ValueError(f"cannot append block {b} to row {r}")
             self.block_table[r, n] = b
+            index[i] = n
             self.num_blocks[r] = n + 1
+        return index
 
-    def append_sampled(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
-        """Appends each row's sampled token (i32[s]); a full row keeps its length."""
+    def count_sampled(self, rows: np.ndarray) -> None:
+        """Counts one token (still on the device) for each sampling row (i32[s]).
+
+        A row at ``max_model_len`` keeps its length (its token is never an input).
+        """
         n = self.num_tokens[rows]
-        ok = n < self.max_model_len
-        self.token_ids[rows[ok], n[ok]] = token_ids[ok]
-        self.num_tokens[rows[ok]] = n[ok] + 1
+        self.num_tokens[rows] = np.minimum(n + 1, self.max_model_len)

@@ -13,11 +13,13 @@ Life cycle (proto/jaxserve/worker.proto documents the service):
    loaded from the persistent cache — the slow part; the standard
    ``grpc.health.v1`` service reports NOT_SERVING until it is done, then
    SERVING (service names "" and "jaxserve.worker.WorkerService");
-3. one ``Execute`` per step, run one at a time **in step-id order**: the
-   engine may send step N + 1 while step N runs (``GrpcWorker.submit``),
-   so the plan is received and decoded during step N and runs right after
-   it; after ``Initialize`` the first plan sets the order, each later plan
-   waits (up to ``STEP_ORDER_TIMEOUT_S``) for its predecessor;
+3. one ``Execute`` per step, dispatched one at a time **in step-id order**:
+   the engine may send step N + 1 while step N runs (``GrpcWorker.submit``),
+   so the plan is received, decoded and dispatched to the device during
+   step N (``InProcessWorker.submit``), and step N's tokens are sent back
+   while step N + 1 runs; after ``Initialize`` the first plan sets the
+   order, each later plan waits (up to ``STEP_ORDER_TIMEOUT_S``) for its
+   predecessor's dispatch;
 4. ``Shutdown`` (or SIGTERM / SIGINT) releases the device state and the
    process exits with status 0. ``--exit-with-parent`` also exits when the
    parent process goes away (no orphan worker holding the device).
@@ -31,7 +33,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import sys
 import threading
 from collections.abc import Callable, Sequence
@@ -42,6 +43,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from jaxserve import plan_codec
+from jaxserve.procutil import StopSignal
 from jaxserve.proto import worker_pb2 as wpb
 from jaxserve.proto import worker_pb2_grpc as wpb_grpc
 from jaxserve.step_plan import WorkerStatus
@@ -131,10 +133,12 @@ class WorkerServicer(wpb_grpc.WorkerServiceServicer):
             if self._worker is None:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                               "the worker is not initialized (call Initialize first)")
+            pending = self._call(context, f"step {plan.step_id}",
+                                 lambda: self._worker.submit(plan))
             self._next_step = max(self._next_step, plan.step_id + 1)
             self._lock.notify_all()
-            result = self._call(context, f"step {plan.step_id}",
-                                lambda: self._worker.execute(plan))
+        # Dispatched: the next plan may dispatch while this one's tokens come back.
+        result = self._call(context, f"step {plan.step_id}", pending.result)
         return plan_codec.result_to_proto(result)
 
     def Health(self, request: wpb.HealthRequest, context: grpc.ServicerContext) -> wpb.WorkerStatus:
@@ -217,8 +221,7 @@ def serve(address: str, *, exit_with_parent: bool = False,
         raise RuntimeError(f"could not bind {address}")
     bound = f"{address.rsplit(':', 1)[0]}:{port}"
     if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stop.set())
+        StopSignal(stop)  # SIGTERM / SIGINT set ``stop``
     if exit_with_parent:
         threading.Thread(target=_watch_parent, args=(stop, os.getppid()), daemon=True).start()
     server.start()

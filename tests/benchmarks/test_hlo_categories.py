@@ -31,26 +31,26 @@ def tiny_model(tmp_path_factory):
 
 
 def test_tiny_llama_step(tiny_model):
-    """Each layer's 4 projections and the LM head are the matmuls; writes and attention found."""
-    from jaxserve.model.attention import AttentionMetadata
-    from jaxserve.model.forward import StepInputs, forward
+    """The served body executable: each layer's 4 projections are the matmuls; writes and
+    attention found; T read from the executable's name."""
     from jaxserve.model.kv_cache import init_kv_cache
+    from jaxserve.worker.compile_manager import compile_all
+    from jaxserve.worker.executables import LadderShapes, body_executable
+    from jaxserve.worker.rows import RowState
 
     config, graphdef, state = tiny_model
-    t, r = 8, 2
-    metadata = AttentionMetadata(
-        slot_mapping=jnp.arange(4, 4 + t, dtype=jnp.int32),
-        block_table=jnp.array([[1, 2, 0, 0], [3, 0, 0, 0]], jnp.int32),
-        seq_lens=jnp.array([5, 3], jnp.int32), query_start_loc=jnp.array([0, 5, 8], jnp.int32))
-    inputs = StepInputs(jnp.arange(t, dtype=jnp.int32), jnp.arange(t, dtype=jnp.int32), metadata,
-                        jnp.array([4, 7], jnp.int32))
-    kv = init_kv_cache(config, 16, 4, jnp.float32)
-    text = forward.lower(graphdef, state, kv, inputs, backend="reference").compile().as_text()
+    t, block_size = 8, 4
+    kv = init_kv_cache(config, 16, block_size, jnp.float32)
+    rows = RowState(4, 64, block_size, config.vocab_size, config.eos_token_ids)
+    hidden = jax.ShapeDtypeStruct((4, config.hidden_size), jnp.float32)
+    shapes = LadderShapes(graphdef, state, kv, rows, hidden, "reference")
+    report = compile_all([body_executable(shapes, t)], progress=False)
+    text = report.functions[f"body[T={t}]"].compiled.as_text()
     name, _, _, num_tokens = parse(text)
-    assert name == "jit_forward" and num_tokens == t  # T from the ``input_ids`` parameter
+    assert name == "jit_body_T8" and num_tokens == t  # T from the executable's name
     counts = _entry_categories(text)
     layers = config.num_layers
-    assert counts["matmul"] == 4 * layers + 1  # qkv, o_proj, gate_up, down per layer + LM head
+    assert counts["matmul"] == 4 * layers  # qkv, o_proj, gate_up, down per layer
     assert counts["kv_write"] >= layers
     assert counts["attention"] >= layers
     assert counts["sampler"] == 0

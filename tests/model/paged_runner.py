@@ -1,8 +1,10 @@
-"""Test helper: runs sequences through the jitted forward on a paged cache.
+"""Test helper: runs sequences through the worker's step body on a paged cache.
 
 A deliberately simple host-side block allocator (a shuffled free list, so
-block tables are non-contiguous) and step-input builder, independent of the
-engine, so that model tests do not depend on the scheduler.
+block tables are non-contiguous) and schedule, independent of the engine, so
+that model tests do not depend on the scheduler; the step itself is the
+worker's (``run_body_logits``: the packed buffer, the device-built inputs
+and the model body the server runs), with every token's logits.
 """
 
 from __future__ import annotations
@@ -12,27 +14,28 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.model.attention import AttentionMetadata
-from jaxserve.model.forward import StepInputs, forward
 from jaxserve.model.kv_cache import NULL_BLOCK, init_kv_cache
 from jaxserve.model.loader import is_scanned
+from jaxserve.worker.inputs import StepLayout, pack
+from jaxserve.worker.model_runner import run_body_logits
 
 
 @dataclasses.dataclass
 class _Seq:
+    row: int
     blocks: list[int]
     length: int = 0  # tokens already in the cache
 
 
 class PagedRunner:
-    """Feeds token chunks of named sequences through ``forward``; returns logits.
+    """Feeds token chunks of named sequences through the worker's step; returns logits.
 
     Args:
       config, graphdef, state: a loaded model.
       block_size: S.
       num_blocks: B, including the null block.
       max_blocks: MB, the block-table width.
-      rows: R, padded row count of the attention metadata.
+      rows: M, the persistent rows (most sequences).
       backend: attention backend.
       seed: for the block shuffle; unused blocks are poisoned with NaN.
     """
@@ -47,7 +50,10 @@ class PagedRunner:
         # Poison every slot: anything read before it is written shows up as NaN.
         self.kv_cache = type(cache)(k=tuple(jnp.full_like(k, jnp.nan) for k in cache.k),
                                     v=tuple(jnp.full_like(v, jnp.nan) for v in cache.v))
+        self.block_table = jnp.full((rows + 1, max_blocks), NULL_BLOCK, jnp.int32)
+        self.last_token = jnp.zeros(rows + 1, jnp.int32)
         self.seqs: dict[str, _Seq] = {}
+        self.num_steps = 0
 
     def step(self, chunks: dict[str, list[int]], pad_tokens: int = 0,
              all_logits: bool = False) -> dict[str, np.ndarray]:
@@ -56,44 +62,37 @@ class PagedRunner:
         Returns the logits of each row's last token, f32[V] (or f32[n, V] for every
         new token when ``all_logits``).
         """
-        ids, pos, slots, qsl, seq_lens, table, logit_idx = [], [], [], [0], [], [], []
-        owners = []
+        ids, rows, computed, counts = [], [], [], []
+        append_rows, append_index, append_blocks = [], [], []
+        owners, start = [], 0
         for name, toks in chunks.items():
-            seq = self.seqs.setdefault(name, _Seq(blocks=[]))
-            start = seq.length
-            for j, tok in enumerate(toks):
-                p = start + j
-                if p // self.block_size >= len(seq.blocks):
-                    seq.blocks.append(self.free.pop())
-                ids.append(tok)
-                pos.append(p)
-                slots.append(seq.blocks[p // self.block_size] * self.block_size + p % self.block_size)
+            seq = self.seqs.setdefault(name, _Seq(row=len(self.seqs), blocks=[]))
+            while len(seq.blocks) * self.block_size < seq.length + len(toks):
+                append_rows.append(seq.row)
+                append_index.append(len(seq.blocks))
+                append_blocks.append(self.free.pop())
+                seq.blocks.append(append_blocks[-1])
+            ids.extend(toks)
+            rows.append(seq.row)
+            computed.append(seq.length)
+            counts.append(len(toks))
             seq.length += len(toks)
-            qsl.append(qsl[-1] + len(toks))
-            seq_lens.append(seq.length)
-            table.append(seq.blocks + [NULL_BLOCK] * (self.max_blocks - len(seq.blocks)))
             n = len(toks)
-            idx = list(range(qsl[-1] - n, qsl[-1])) if all_logits else [qsl[-1] - 1]
-            owners.append((name, len(logit_idx), len(idx)))
-            logit_idx.extend(idx)
-        for _ in range(pad_tokens):  # padding tokens write into the null block
-            ids.append(0)
-            pos.append(0)
-            slots.append(NULL_BLOCK * self.block_size)
-        while len(seq_lens) < self.rows:
-            qsl.append(qsl[-1])
-            seq_lens.append(0)
-            table.append([NULL_BLOCK] * self.max_blocks)
-        i32 = lambda x: jnp.asarray(np.asarray(x, np.int32))  # noqa: E731
-        inputs = StepInputs(
-            input_ids=i32(ids), positions=i32(pos),
-            attention=AttentionMetadata(slot_mapping=i32(slots), block_table=i32(table),
-                                        seq_lens=i32(seq_lens), query_start_loc=i32(qsl)),
-            logits_indices=i32(logit_idx))
-        logits, self.kv_cache = forward(self.graphdef, self.state, self.kv_cache, inputs,
-                                        backend=self.backend)
+            owners.append((name, start, n))
+            start += n
+        num_tokens = start + pad_tokens  # padding tokens write into the null block
+        layout = StepLayout.for_bucket(num_tokens, self.rows, self.block_size)
+        i32 = lambda x: np.asarray(x, np.int32)  # noqa: E731
+        buffer = pack(layout, seed=0, step_id=self.num_steps, input_ids=i32(ids),
+                      rows=i32(rows), num_computed=i32(computed), num_tokens=i32(counts),
+                      sample=i32([0] * len(rows)), append_rows=i32(append_rows),
+                      append_index=i32(append_index), append_blocks=i32(append_blocks))
+        self.num_steps += 1
+        logits, self.kv_cache, self.block_table = run_body_logits(
+            self.graphdef, self.state, self.kv_cache, self.block_table, self.last_token,
+            jnp.asarray(buffer), layout=layout, backend=self.backend)
         logits = np.asarray(logits)
         out = {}
         for name, first, n in owners:
-            out[name] = logits[first:first + n] if all_logits else logits[first]
+            out[name] = logits[first:first + n] if all_logits else logits[first + n - 1]
         return out

@@ -23,6 +23,7 @@ from jaxserve.sampling_params import SamplingParams
 from jaxserve.step_plan import RecompileError
 from jaxserve.worker import InProcessWorker
 from jaxserve.worker.compile_manager import COUNTER, RecompileGuard
+from jaxserve.worker.sampler import SAMPLER_VARIANTS
 from tests.model.hf_tiny import make_tiny_model
 
 VOCAB = 256
@@ -59,10 +60,12 @@ def test_500_random_requests_compile_nothing_after_warm_up(tiny):
     worker = InProcessWorker(tiny, progress=False)
     engine = EngineCore(config, worker)
     report = worker.compile_report
-    assert report.by_kind == {"body": len(T_LADDER), "sampler": len(R_LADDER),
-                              "penalty": 3 * len(R_LADDER) + 1}  # M = 16 is on the R ladder
-    # The step executables: |T| + |R|, well under the |T| x |R| bound.
-    assert report.by_kind["body"] + report.by_kind["sampler"] <= len(T_LADDER) * len(R_LADDER)
+    assert report.by_kind == {"body": len(T_LADDER),
+                              "sampler": len(SAMPLER_VARIANTS) * len(R_LADDER),
+                              "rows": len(R_LADDER) + 1}
+    # The step executables: |T| + |variants| x |R|, not a product with T.
+    assert report.by_kind["body"] + report.by_kind["sampler"] < (
+        len(T_LADDER) * len(R_LADDER) * len(SAMPLER_VARIANTS))
     compiles_after_warm_up = COUNTER.compiles
     rng = random.Random(500)
     finished, submitted, step = set(), 0, 0
@@ -87,6 +90,7 @@ def test_500_random_requests_compile_nothing_after_warm_up(tiny):
     buckets = set(worker.executed_buckets)
     assert {t for t, _ in buckets} == set(T_LADDER)  # every body was used
     assert len({r for _, r in buckets} - {0}) >= len(R_LADDER) - 1  # and most samplers
+    assert len(worker.executed_variants) >= 2  # this mix mostly needs penalties and the search
     engine.shutdown()
 
 

@@ -30,6 +30,7 @@ from jaxserve.model.loader import load_model
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.step_plan import NewRow, StepPlan
 from jaxserve.worker import InProcessWorker, server
+from jaxserve.worker.sampler import SAMPLER_VARIANTS
 from tests.model.hf_tiny import make_tiny_model
 
 VOCAB = 256
@@ -137,7 +138,9 @@ def test_status_health_errors_profile_and_reinitialize(tiny_dir, tmp_path):
         assert check(request).status == health_pb2.HealthCheckResponse.SERVING
         status = worker.status()
         assert status.ready and status.platform == "cpu" and status.num_recompiles == 0
-        assert status.num_executables == len(T_LADDER) + len(R_LADDER) + 3 * len(R_LADDER) + 1
+        # |T| bodies, |R| x |variants| samplers, |R| staged row writes, set_penalty_row
+        assert status.num_executables == (len(T_LADDER) + len(SAMPLER_VARIANTS) * len(R_LADDER)
+                                          + len(R_LADDER) + 1)
         with pytest.raises(ValueError, match="not on the ladders"):
             worker.execute(StepPlan(**{**{f: getattr(plan, f) for f in plan.__slots__},
                                        "num_tokens_bucket": 3}))

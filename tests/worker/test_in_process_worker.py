@@ -9,6 +9,7 @@ the penalties and bans. Greedy tokens must be equal; logprobs within 1e-4
 from __future__ import annotations
 
 import random
+import re
 
 import numpy as np
 import pytest
@@ -163,13 +164,13 @@ def test_only_ladder_shapes_reach_the_executables(tiny, monkeypatch):
     run = InProcessWorker._call
 
     def spy(self, name, jitted, *args):
+        bucket = int(re.search(r"[TR]=(\d+)", name).group(1)) if "=" in name else None
         if name.startswith("body["):
-            _, _, input_ids, _, metadata, _ = args
-            shapes.add(("T", input_ids.shape[0], metadata.block_table.shape))
+            _, _, block_table, last_token, buffer = args
+            shapes.add(("T", bucket, buffer.shape, (block_table.shape, last_token.shape)))
         elif name.startswith("sampler["):
-            _, hidden, metadata, _ = args
-            shapes.add(("R", metadata.temperature.shape[0], metadata.prompt_mask.shape,
-                        hidden.shape))
+            _, hidden, _, _, last_token, _, _ = args
+            shapes.add(("R", bucket, name, (hidden.shape, last_token.shape)))
         assert name in self.functions, f"{name} was not compiled at start-up"
         return run(self, name, jitted, *args)
 
@@ -192,10 +193,10 @@ def test_only_ladder_shapes_reach_the_executables(tiny, monkeypatch):
     body_t = {s[1] for s in shapes if s[0] == "T"}
     sample_r = {s[1] for s in shapes if s[0] == "R"}
     assert body_t <= set(t_ladder) and sample_r <= set(r_ladder)
-    # The body's attention rows and the sampler's hidden rows are fixed: keyed on T / R alone.
-    assert len({s[2] for s in shapes if s[0] == "T"}) == 1
-    assert len({s[3] for s in shapes if s[0] == "R"}) == 1
-    assert len(shapes) == len(body_t) + len(sample_r)
+    # The persistent rows and the sampler's hidden rows are fixed; the body's packed
+    # buffer is keyed on T alone, the sampler on R and its variant.
+    assert len({s[3] for s in shapes}) == 2
+    assert len({s[1:3] for s in shapes if s[0] == "T"}) == len(body_t)
     assert engine.stats().kv_blocks_used == 0
 
 
