@@ -83,7 +83,9 @@ def tile_schedule(query_start_loc: jax.Array, seq_lens: jax.Array, *, num_tokens
     tiles_per_row = (lens + block_q - 1) // block_q  # [R + 1]
     last = jnp.cumsum(tiles_per_row)  # [R + 1] one past each row's last tile
     tile = jnp.arange(num_query_tiles(num_tokens, num_rows, block_q), dtype=jnp.int32)
-    row = jnp.searchsorted(last, tile, side="right").astype(jnp.int32)  # [NT] in [0, R + 1]
+    # Rows whose tiles end at or before each tile (a search by comparing against every
+    # row: a binary search would lower to a while loop, which a GPU runs by syncing the host).
+    row = jnp.sum(last[None, :] <= tile[:, None], axis=1, dtype=jnp.int32)  # [NT] in [0, R + 1]
     live = row <= num_rows
     row = jnp.minimum(row, num_rows)
     q_start = starts[row] + (tile - (last[row] - tiles_per_row[row])) * block_q
