@@ -50,21 +50,45 @@ def die_with_parent(parent_pid: int | None = None, sig: int = signal.SIGTERM) ->
 class StopSignal:
     """Sets ``event`` on SIGINT or SIGTERM (install from the main thread).
 
+    The Python-level handler takes no lock: setting a ``threading.Event``
+    from a handler can deadlock, because the handler runs on the main thread
+    between bytecodes — possibly while that thread holds the event's own
+    lock (inside ``Event.wait`` or ``Event.set``), e.g. when a second signal
+    arrives while the first is being handled. Instead the interpreter writes
+    each signal's number to a pipe (``signal.set_wakeup_fd``) and a daemon
+    thread reading the pipe sets the event.
+
+    Args:
+      event: the event to set; None = a new one.
+
     Attributes:
       event: set once a stop signal arrived.
       signum: the first signal received, or None.
     """
 
-    def __init__(self) -> None:
-        self.event = threading.Event()
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self, event: threading.Event | None = None) -> None:
+        self.event = event if event is not None else threading.Event()
         self.signum: int | None = None
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(write_fd, False)
+        signal.set_wakeup_fd(write_fd)
+        for sig in self.SIGNALS:
             signal.signal(sig, self._handle)
+        threading.Thread(target=self._watch, args=(read_fd,), name="stop-signal",
+                         daemon=True).start()
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self.signum is None:
-            self.signum = signum
-        self.event.set()
+        """Runs on the main thread: records the signal, takes no lock."""
+
+    def _watch(self, read_fd: int) -> None:
+        while True:
+            for signum in os.read(read_fd, 64):  # one byte per signal received
+                if signum in self.SIGNALS:
+                    if self.signum is None:
+                        self.signum = signum
+                    self.event.set()
 
     def wait(self, timeout: float | None = None) -> bool:
         """True once a stop signal arrived (within ``timeout`` seconds)."""
