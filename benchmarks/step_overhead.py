@@ -20,7 +20,8 @@ benchmark reports, per step:
   (``execute_seconds - device_seconds``).
 
 ``--plan-bytes`` prints the serialized size of a decode step's plan at
-R = 8, 64, 256 (``jaxserve.plan_codec``); ``--start-times`` starts a
+R = 1, 8, 64, 256 (``jaxserve.plan_codec``) and the bytes the worker
+uploads for it (the packed step buffer, ``jaxserve.worker.inputs``); ``--start-times`` starts a
 worker process twice on a fresh persistent-cache directory with the demo
 model and reports both times to ready. Numbers on a shared 2-core CPU are
 noisy: compare the columns side by side, within one run.
@@ -88,14 +89,19 @@ def measure(worker, rows: int, async_scheduling: bool, steps: int, model: str | 
 
 def plan_bytes() -> None:
     from jaxserve.plan_codec import plan_to_proto
+    from jaxserve.worker.inputs import StepLayout
 
-    print("decode plan bytes (serialized StepPlan, no new rows, no appended blocks):")
-    for r in (8, 64, 256):
+    print("decode step bytes: serialized StepPlan (no new rows, no appended blocks), and the "
+          "worker's packed host->device buffer (T = R; the same for any context length, "
+          "and for any max_num_seqs >= R):")
+    for r in (1, 8, 64, 256):
         i32 = np.arange(r, dtype=np.int32)
         plan = StepPlan(1234, np.zeros(0, np.int32), (), np.zeros(0, np.int32),
                         np.zeros(0, np.int32), i32, i32 + 4000, np.ones(r, np.int32),
                         np.ones(r, np.bool_), 256, 256)
-        print(f"  R = {r:3d}: {plan_to_proto(plan).ByteSize():5d} bytes")
+        upload = 4 * StepLayout.for_bucket(r, max(r, 256), 16).size
+        print(f"  R = {r:3d}: plan {plan_to_proto(plan).ByteSize():5d} bytes, "
+              f"upload {upload:5d} bytes")
 
 
 def start_times(model: str | None, dtype: str, cache: str | None = None) -> None:

@@ -11,8 +11,9 @@ and a category per (module variant, op) from ``benchmarks.hlo_categories``.
   body ops leave), and when k threads run ops at once each gets 1/k of the
   interval. Span time with no op running is ``exec_idle`` (the thunk
   executor's own overhead).
-- A *step* starts at an execution of a body module (one whose ENTRY takes
-  ``input_ids``) and runs to the next one; its ``host_gap`` is the time
+- A *step* starts at an execution of a body module (one whose T is known:
+  the worker's ``jit_body_T<T>``, or one whose ENTRY takes ``input_ids``)
+  and runs to the next one; its ``host_gap`` is the time
   inside it not covered by any execution: the host scheduling, building
   inputs, dispatching and reading results back while the device waits.
 - Totals are over the whole window (wall time): every category, exec_idle
