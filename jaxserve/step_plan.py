@@ -5,9 +5,10 @@ this module, and a later transport (gRPC) serializes these dataclasses field
 by field — every array is a 1-D or 2-D NumPy array of a fixed dtype, every
 other field a plain int / bool / str or a ``SamplingParams``.
 
-The worker keeps one persistent **row** per running sequence (DESIGN.md
-"The step plan"): its block table row, its token ids, its sampling
-parameters and seed, its penalty statistics. A ``StepPlan`` carries only
+The worker keeps one persistent **row** per running sequence for its
+lifetime (docs/step_plan.md): its block table row, its token ids, its
+sampling parameters and seed, its last sampled token, its penalty
+statistics. A ``StepPlan`` carries only
 
 - the **row diffs** since the previous plan, applied in this order:
   ``freed_rows`` (finished, aborted or preempted sequences), ``new_rows``
@@ -20,9 +21,10 @@ parameters and seed, its penalty statistics. A ``StepPlan`` carries only
 - the **bucket** ``(T, R)`` the worker pads the step to.
 
 So a decode step's plan is O(rows), never O(rows × blocks). A row's input
-tokens always come from the worker's own copy of its token ids: prompt
-tokens from ``NewRow.token_ids``, generated tokens from what the worker
-itself sampled (so the engine can plan step N + 1 before step N returns).
+tokens always come from the worker's own rows: prompt tokens from
+``NewRow.token_ids``, generated tokens from what the worker itself sampled
+(a decode row's input is its last sampled token, read on the device), so
+the engine can plan step N + 1 before step N returns.
 Preemption is a freed row; the sequence comes back later as a ``NewRow``
 holding its prompt plus every token generated so far.
 
@@ -276,9 +278,11 @@ class Worker(Protocol):
     """The worker interface: ``InProcessWorker`` (same process), ``GrpcWorker`` (a worker process).
 
     Plans are executed in step order, one at a time. A worker may also offer
-    ``submit(plan) -> concurrent.futures.Future[StepResult]`` (``GrpcWorker``
-    does): ``execute`` without waiting, used by async scheduling to send
-    step N + 1 while step N runs.
+    ``submit(plan)``: ``execute`` without waiting, returning an object whose
+    ``result()`` is the ``StepResult`` (``InProcessWorker``: a
+    ``PendingStep``, the step dispatched to the device; ``GrpcWorker``: a
+    ``concurrent.futures.Future``), used by async scheduling to dispatch
+    step N + 1 before step N's tokens are read.
     """
 
     def initialize(self, init: WorkerInit) -> Geometry:

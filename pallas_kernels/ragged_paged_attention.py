@@ -11,7 +11,7 @@ and values must already have been written to the cache (see
 KV cache layout (per layer; see docs/kv_cache.md): ``k_cache`` and ``v_cache``
 are ``[B, K, S, H]`` — blocks, KV heads, block slots, head dim. Putting the
 KV heads before the slots lets a kernel (and XLA on the CPU) read one head's
-block as one contiguous ``[S, H]`` tile with no transposes (CPU_PERF.md).
+block as one contiguous ``[S, H]`` tile with no transposes (docs/kv_cache.md).
 Token ``p`` of a row lives in block ``block_table[r, p // S]`` at slot
 ``p % S``.
 

@@ -11,13 +11,14 @@ engine's code does not change between them.
 
     schedule() → build_plan() → worker.execute(plan) → update() → outputs
 
-**Asynchronous** (``async_scheduling=True``, DESIGN.md "The step plan"): the
-engine plans and sends step N + 1 while step N runs — through the worker's
-``submit(plan) -> Future`` where it has one (``GrpcWorker``: the worker
-process receives step N + 1 during step N and runs it right after), else
-by calling ``execute`` on a helper thread — so scheduling, plan building,
-the RPC hop and the caller's output handling overlap the device instead of
-sitting between steps::
+**Asynchronous** (``async_scheduling=True``, docs/worker.md "Async
+scheduling"): the engine plans and sends step N + 1 while step N runs —
+through the worker's ``submit(plan)`` where it has one
+(``InProcessWorker``: dispatches step N + 1 to the device and returns;
+``GrpcWorker``: the worker process receives step N + 1 during step N and
+dispatches it right after), else by calling ``execute`` on a helper thread
+— so scheduling, plan building, the RPC hop and the caller's output
+handling overlap the device instead of sitting between steps::
 
     step():  [submit step N if none is in flight]
              schedule + build + submit step N + 1   (step N still running)

@@ -11,9 +11,9 @@ parameters are stacked on a leading ``[L]`` axis, run by ``jax.lax.scan``
 over a stacked KV cache (``KVCache`` with one ``[L, B, K, S, H]`` array for
 K and one for V). Scanning compiles one layer instead of L — a demo-model
 body executable in 1.15 s instead of 5.1 s here — but on the CPU it decodes
-~1.3× slower (XLA copies each layer's weights out of the stack every step;
-../shared/CPU_PERF.md): a switch, off by default, chosen per backend by
-measurement (docs/model.md).
+~1.3× slower (XLA copies each layer's weights out of the stack every
+step): a switch, off by default, chosen per backend by measurement
+(docs/model.md).
 
 Projections are fused at load time: ``qkv_proj`` is ``[D, (N + 2K)·H]`` and
 ``gate_up_proj`` is ``[D, 2F]`` — one matrix product each instead of three and

@@ -1,16 +1,16 @@
 """Every step executable compiled once, at start-up; a guard against any compile after that.
 
-DESIGN.md "The step plan": the worker runs a fixed set of executables — the
-model body per T bucket, the LM head + sampler per R bucket, and the
-penalty-statistics helpers per R — so all of them are compiled (or loaded)
-in ``initialize``, before the first request, with a progress bar and the
-total time logged:
+The worker runs a fixed set of executables (docs/worker.md) — the model
+body per T bucket, the LM head + sampler per R bucket and sampler variant,
+the staged row writes per R and one penalty-row write — so all of them are
+compiled (or loaded) in ``initialize``, before the first request, with a
+progress bar and the total time logged:
 
     report = compile_all(executables, store=program_store(dir))
     functions = report.functions                # name -> StepFunction (callable)
     guard = RecompileGuard(strict=...); guard.arm()
     ...
-    with guard.watch(f"step {step_id}"):        # every execute()
+    with guard.watch(f"step {step_id}"):        # every step's dispatch
         functions[f"body[T={t}]"](...)
 
 The worker calls the compiled ``StepFunction``s directly: a call off the

@@ -1,4 +1,4 @@
-"""The engine process never imports jax (DESIGN.md: process boundaries)."""
+"""The engine process never imports jax (docs/architecture.md: process boundaries)."""
 
 from __future__ import annotations
 
