@@ -223,10 +223,14 @@ class StepResult:
       rank: i32[s] its rank, 1 = most likely (-1 where not asked).
       top_token_ids: i32[s, NL] top-N ids, -1 past a row's N.
       top_logprobs: f32[s, NL] their logprobs, descending.
-      execute_seconds: the worker's wall time for the whole plan (diffs,
-        inputs, device, results), seconds; 0 when not measured.
-      device_seconds: of that, from dispatching the step's executables to
-        its results being on the host, seconds; 0 when not measured.
+      execute_seconds: the worker's time for the plan: its host work
+        (diffs, inputs, dispatch) plus ``device_seconds``, seconds; 0 when
+        not measured.
+      device_seconds: from the step's start on the device — its dispatch,
+        or the previous step's results reaching the host if later (steps
+        run in dispatch order; with dispatch ahead a step waits behind the
+        one before) — to its results being on the host, seconds; 0 when not
+        measured.
     """
 
     step_id: int

@@ -64,9 +64,16 @@ from jaxserve.worker.executables import (LadderShapes, ladder_executables, lower
 from jaxserve.worker.inputs import StepLayout, pack, query_input_ids
 from jaxserve.worker.kv_sizing import device_memory, num_kv_blocks, peak_activation_bytes
 from jaxserve.worker.rows import RowState
-from jaxserve.worker.sampler import SamplerOutput, choose_variant
+from jaxserve.worker.sampler import SamplerOutput
 
 logger = logging.getLogger(__name__)
+
+
+class DeviceClock:
+    """When the latest step's results reached the host (``time.perf_counter``, seconds)."""
+
+    def __init__(self) -> None:
+        self.ready_at = 0.0
 
 
 class PendingStep:
@@ -78,10 +85,11 @@ class PendingStep:
 
     def __init__(self, step_id: int, num_sampled: int, out: SamplerOutput | None,
                  logprobs: bool, done: jax.Array, dispatched: float, host_seconds: float,
-                 on_done=None):
+                 clock: DeviceClock, on_done=None):
         self.step_id = step_id
         self._num_sampled, self._out, self._logprobs, self._done = num_sampled, out, logprobs, done
         self._dispatched, self._host_seconds, self._on_done = dispatched, host_seconds, on_done
+        self._clock = clock
         self._lock = threading.Lock()
         self._result: StepResult | None = None
 
@@ -95,7 +103,7 @@ class PendingStep:
             return self._result
 
     def _fetch(self) -> StepResult:
-        start, s = time.perf_counter(), self._num_sampled
+        s = self._num_sampled
         if self._out is None:
             self._done.block_until_ready()
             result = StepResult(self.step_id, np.zeros(0, np.int32))
@@ -106,8 +114,12 @@ class PendingStep:
             result = StepResult(self.step_id, out.token_ids[:s], out.logprob[:s], out.rank[:s],
                                 out.top_token_ids[:s], out.top_logprobs[:s])
         end = time.perf_counter()
-        return dataclasses.replace(result, device_seconds=end - self._dispatched,
-                                   execute_seconds=self._host_seconds + end - start)
+        # The device runs steps in dispatch order: this one started no earlier
+        # than its dispatch nor than the previous step's results (dispatch ahead).
+        device_start = max(self._dispatched, self._clock.ready_at)
+        self._clock.ready_at = end
+        return dataclasses.replace(result, device_seconds=end - device_start,
+                                   execute_seconds=self._host_seconds + end - device_start)
 
 
 def upload(tree):
@@ -140,6 +152,7 @@ class InProcessWorker:
         self.compile_report = None
         self.functions: dict[str, StepFunction] = {}  # name → compiled at start-up
         self.guard = RecompileGuard()
+        self._clock = DeviceClock()
         self.ready = False
 
     # ---------------------------------------------------------------- set-up
@@ -300,8 +313,8 @@ class InProcessWorker:
         sample_rows = plan.rows[plan.sample]  # [s]
         if not r:
             return PendingStep(plan.step_id, 0, None, False, slots.rows, dispatched,
-                               time.perf_counter() - start, self._count)
-        variant = self._variant(sample_rows)
+                               time.perf_counter() - start, self._clock, self._count)
+        variant = rows.sampler_variant(sample_rows)
         rows.count_sampled(sample_rows)
         penalty = self.penalty if variant.processing else ds.PenaltyState(None, None)
         out, self.last_token, counts = self._call(
@@ -316,18 +329,7 @@ class InProcessWorker:
         for leaf in jax.tree.leaves(out if logprobs else out.token_ids):
             leaf.copy_to_host_async()
         return PendingStep(plan.step_id, len(sample_rows), out, logprobs, out.token_ids,
-                           dispatched, time.perf_counter() - start, self._count)
-
-    def _variant(self, sample_rows: np.ndarray):
-        """The cheapest sampler variant exact for these rows (host parameters only)."""
-        rows = self.rows
-        p = {f: v[sample_rows] for f, v in rows.params.items()}
-        num_output = rows.num_tokens[sample_rows] - rows.num_prompt_tokens[sample_rows]
-        ban_active = (num_output < rows.min_tokens[sample_rows]) & (p["banned_ids"] >= 0).any(1)
-        return choose_variant(
-            p["temperature"], p["top_k"], p["top_p"], p["min_p"], p["repetition_penalty"],
-            p["presence_penalty"], p["frequency_penalty"], p["logit_bias_ids"], ban_active,
-            p["num_logprobs"], rows.vocab_size)
+                           dispatched, time.perf_counter() - start, self._clock, self._count)
 
     def _sync_rows(self, rows: np.ndarray) -> None:
         """One staged write of whole rows (host mirror → device), padded to an R bucket."""

@@ -29,8 +29,9 @@ import dataclasses
 import numpy as np
 
 from jaxserve.step_plan import NewRow
-from jaxserve.worker.sampler import build_sampling_metadata
+from jaxserve.worker.sampler import SamplerVariant, build_sampling_metadata, covering_variant
 from jaxserve.worker.sampler.metadata import DEFAULT_BANNED_WIDTH, DEFAULT_LOGIT_BIAS_WIDTH
+from jaxserve.worker.sampler.variants import STAGES, required_stages
 
 # Per-row sampler fields copied from build_sampling_metadata (one row at a time).
 PARAM_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
@@ -64,6 +65,8 @@ class RowState:
         self.block_table = np.zeros((m + 1, self.max_blocks), np.int32)  # [M + 1, MB] null-padded
         self.num_blocks = np.zeros(m, np.int32)  # [M]
         self.has_penalty = np.zeros(m + 1, bool)  # [M + 1]
+        self.has_banned = np.zeros(m + 1, bool)  # [M + 1] EOS / stop ids to ban for min_tokens
+        self.stages = np.zeros((m + 1, len(STAGES)), bool)  # [M + 1, stages] the row needs
         pad = build_sampling_metadata([], prompt_token_ids=[], output_token_ids=[],
                                       vocab_size=vocab_size, num_rows=1)
         # [M + 1, ...] per field; row M stays the neutral padding row.
@@ -114,6 +117,12 @@ class RowState:
         self.min_tokens[r] = sp.min_tokens
         self.has_penalty[r] = (sp.repetition_penalty != 1.0 or sp.presence_penalty != 0.0
                                or sp.frequency_penalty != 0.0)
+        self.has_banned[r] = bool((meta.banned_ids[0] >= 0).any())
+        needed = required_stages(
+            meta.temperature, meta.top_k, meta.top_p, meta.min_p, meta.repetition_penalty,
+            meta.presence_penalty, meta.frequency_penalty, meta.logit_bias_ids,
+            np.zeros(1, bool), meta.num_logprobs, self.vocab_size)
+        self.stages[r] = [getattr(needed, stage) for stage in STAGES]
         nb = len(new.block_ids)
         self.block_table[r, :nb] = new.block_ids
         self.block_table[r, nb:] = 0
@@ -138,6 +147,18 @@ class RowState:
             index[i] = n
             self.num_blocks[r] = n + 1
         return index
+
+    def sampler_variant(self, rows: np.ndarray) -> SamplerVariant:
+        """The cheapest sampler variant exact for these sampling rows (i32[s]).
+
+        Each row's stages are found once, when it is added; only the
+        min-tokens ban changes from step to step (it is active while fewer
+        than ``min_tokens`` tokens were generated).
+        """
+        needed = dict(zip(STAGES, self.stages[rows].any(axis=0).tolist()))
+        banning = (self.num_tokens[rows] - self.num_prompt_tokens[rows] < self.min_tokens[rows])
+        needed["processing"] |= bool((banning & self.has_banned[rows]).any())
+        return covering_variant(SamplerVariant(**needed))
 
     def count_sampled(self, rows: np.ndarray) -> None:
         """Counts one token (still on the device) for each sampling row (i32[s]).

@@ -15,7 +15,7 @@ from jaxserve.worker.sampler.metadata import (SamplingMetadata, build_sampling_m
 from jaxserve.worker.sampler.sampler import SamplerOutput, process_logits, sample
 from jaxserve.worker.sampler.top_k_top_p import NUM_CANDIDATES
 from jaxserve.worker.sampler.variants import (FULL, GREEDY, PROCESSED, SAMPLED,
-                                              SAMPLER_VARIANTS, SamplerVariant, choose_variant)
+                                              SAMPLER_VARIANTS, SamplerVariant, choose_variant, covering_variant)
 
 __all__ = [
     "FULL",
@@ -29,6 +29,7 @@ __all__ = [
     "SamplingMetadata",
     "build_sampling_metadata",
     "choose_variant",
+    "covering_variant",
     "process_logits",
     "sample",
     "token_logprobs",

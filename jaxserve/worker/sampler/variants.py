@@ -156,6 +156,11 @@ def choose_variant(temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray
     needed = required_stages(temperature, top_k, top_p, min_p, repetition_penalty,
                              presence_penalty, frequency_penalty, logit_bias_ids, ban_active,
                              num_logprobs, vocab_size, num_candidates=num_candidates)
+    return covering_variant(needed)
+
+
+def covering_variant(needed: SamplerVariant) -> SamplerVariant:
+    """The cheapest variant in ``SAMPLER_VARIANTS`` that includes every stage of ``needed``."""
     for variant in SAMPLER_VARIANTS:
         if variant.covers(needed):
             return variant
