@@ -223,9 +223,9 @@ class StepResult:
       rank: i32[s] its rank, 1 = most likely (-1 where not asked).
       top_token_ids: i32[s, NL] top-N ids, -1 past a row's N.
       top_logprobs: f32[s, NL] their logprobs, descending.
-      execute_seconds: the worker's time for the plan: its host work
-        (diffs, inputs, dispatch) plus ``device_seconds``, seconds; 0 when
-        not measured.
+      execute_seconds: the worker's time for the plan: its host work up to
+        the dispatch (diffs, validation, the packed buffer and its upload)
+        plus ``device_seconds``, seconds; 0 when not measured.
       device_seconds: from the step's start on the device — its dispatch,
         or the previous step's results reaching the host if later (steps
         run in dispatch order; with dispatch ahead a step waits behind the

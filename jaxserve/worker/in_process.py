@@ -313,7 +313,7 @@ class InProcessWorker:
         sample_rows = plan.rows[plan.sample]  # [s]
         if not r:
             return PendingStep(plan.step_id, 0, None, False, slots.rows, dispatched,
-                               time.perf_counter() - start, self._clock, self._count)
+                               dispatched - start, self._clock, self._count)
         variant = rows.sampler_variant(sample_rows)
         rows.count_sampled(sample_rows)
         penalty = self.penalty if variant.processing else ds.PenaltyState(None, None)
@@ -329,7 +329,7 @@ class InProcessWorker:
         for leaf in jax.tree.leaves(out if logprobs else out.token_ids):
             leaf.copy_to_host_async()
         return PendingStep(plan.step_id, len(sample_rows), out, logprobs, out.token_ids,
-                           dispatched, time.perf_counter() - start, self._clock, self._count)
+                           dispatched, dispatched - start, self._clock, self._count)
 
     def _sync_rows(self, rows: np.ndarray) -> None:
         """One staged write of whole rows (host mirror → device), padded to an R bucket."""
