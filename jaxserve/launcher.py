@@ -45,6 +45,8 @@ logger = logging.getLogger(__name__)
 
 _STOP_TIMEOUT_S = 15.0  # per process, before SIGKILL
 _ANNOUNCE_TIMEOUT_S = 300.0  # the worker imports jax and the model code before it listens
+READY_LINE = "jaxserve-api: serving"  # the api process prints it on stdout once SERVING
+API_KEY_ENV = "JAXSERVE_API_KEY"  # the API key reaches the api process here (argv is public)
 
 
 class ServerExited(RuntimeError):
@@ -63,6 +65,11 @@ class ServeOptions:
     host: str = "127.0.0.1"
     port: int = 50051
     metrics_port: int = 0
+    http_port: int = 0  # the OpenAI-compatible HTTP API (0 = off)
+    served_model_name: str | None = None  # the model's name in both APIs (default: its folder's)
+    api_key: str | None = None  # required by both APIs (passed to the api process's environment)
+    ssl_certfile: str | None = None  # TLS for both APIs (with ssl_keyfile)
+    ssl_keyfile: str | None = None
     max_waiting_requests: int = 256
     engine_flags: tuple[str, ...] = ()
     log_level: str = "INFO"
@@ -94,6 +101,7 @@ class Launcher:
         self.engine_address: str | None = None
         self.worker_address: str | None = None
         self._pgid: int | None = None
+        self._api_ready = threading.Event()
 
     def __enter__(self) -> "Launcher":
         self.start()
@@ -126,9 +134,19 @@ class Launcher:
                    str(opts.port), "--metrics-port", str(opts.metrics_port),
                    "--max-waiting-requests", str(opts.max_waiting_requests),
                    "--log-level", opts.log_level]
-        if opts.model is None:
-            api_cmd += ["--served-model-name", "SmolLM2-135M-Instruct"]
-        self._spawn("api", api_cmd, env)  # loads its tokenizer while the worker starts
+        if opts.http_port:
+            api_cmd += ["--http-port", str(opts.http_port)]
+        if opts.served_model_name or opts.model is None:
+            api_cmd += ["--served-model-name", opts.served_model_name or "SmolLM2-135M-Instruct"]
+        if opts.ssl_certfile:
+            api_cmd += ["--ssl-certfile", opts.ssl_certfile, "--ssl-keyfile", opts.ssl_keyfile]
+        api_env = dict(env)
+        if opts.api_key:
+            api_env[API_KEY_ENV] = opts.api_key
+        # the api loads its tokenizer while the worker starts
+        api = self._spawn("api", api_cmd, api_env, stdout=subprocess.PIPE)
+        threading.Thread(target=_watch_ready, args=(api.stdout, self._api_ready),
+                         daemon=True).start()
         engine_cmd = [sys.executable, "-m", "jaxserve.engine.service", "--address",
                       engine_address, "--model", model, "--log-level", opts.log_level,
                       *opts.engine_flags]
@@ -161,32 +179,24 @@ class Launcher:
                    stop_event: threading.Event | None = None) -> float:
         """Blocks until the api reports SERVING; returns the seconds waited.
 
+        The api process announces it on its stdout (``READY_LINE``), the
+        moment its health service turns SERVING; this works the same with TLS
+        and an API key on the public ports.
+
         Raises:
           ServerExited: a process exited first.
           TimeoutError: not ready within ``timeout`` seconds.
           InterruptedError: ``stop_event`` was set first.
         """
-        import grpc
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
-
         start = time.monotonic()
-        with grpc.insecure_channel(self.address) as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            while True:
-                if self.exited():
-                    raise ServerExited(f"server process exited during start-up: {self.exited()}")
-                try:
-                    reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2.0)
-                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                        return time.monotonic() - start
-                except grpc.RpcError:
-                    pass  # not listening yet
-                if timeout is not None and time.monotonic() - start > timeout:
-                    raise TimeoutError(f"the server was not ready within {timeout} s")
-                if stop_event is not None and stop_event.wait(poll_s):
-                    raise InterruptedError("stopped while starting")
-                if stop_event is None:
-                    time.sleep(poll_s)
+        while not self._api_ready.wait(poll_s):
+            if self.exited():
+                raise ServerExited(f"server process exited during start-up: {self.exited()}")
+            if timeout is not None and time.monotonic() - start > timeout:
+                raise TimeoutError(f"the server was not ready within {timeout} s")
+            if stop_event is not None and stop_event.is_set():
+                raise InterruptedError("stopped while starting")
+        return time.monotonic() - start
 
     def wait(self, stop_event: threading.Event | None = None, poll_s: float = 0.5) -> int:
         """Blocks until ``stop_event`` is set (0) or a process exits (1, logged)."""
@@ -242,6 +252,15 @@ def _read_announcement(proc: subprocess.Popen, timeout: float = _ANNOUNCE_TIMEOU
                            f"stdout {line!r})")
     threading.Thread(target=_copy_to_stderr, args=(proc.stdout,), daemon=True).start()
     return line.split()[1]
+
+
+def _watch_ready(stream, ready: threading.Event) -> None:
+    """Sets ``ready`` when the api process prints ``READY_LINE``; copies the rest to stderr."""
+    for line in stream:
+        if line.strip() == READY_LINE:
+            ready.set()
+        else:
+            sys.stderr.write(line)
 
 
 def _copy_to_stderr(stream) -> None:

@@ -20,12 +20,13 @@ entries, and at most ``MAX_STOP_IDS`` stop token ids plus the model's EOS ids
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from jaxserve.api.validation import (InvalidArgument, sampling_params_from_proto,
+from jaxserve.api.validation import (InvalidArgument, sampling_params_from_kwargs,
                                      validate_chat, validate_request, validate_text)
 from jaxserve.proto import generate_pb2 as pb
+from jaxserve.proto.convert import sampling_params_kwargs_from_proto
 from jaxserve.sampling_params import SamplingParams
 
 # The sampler's widths (DEFAULT_LOGIT_BIAS_WIDTH, DEFAULT_BANNED_WIDTH in
@@ -34,8 +35,11 @@ MAX_LOGIT_BIAS = 64
 MAX_STOP_IDS = 16
 
 
-class Unsupported(ValueError):
-    """A valid parameter this server does not support (gRPC ``UNIMPLEMENTED``)."""
+class Unsupported(InvalidArgument):
+    """A valid parameter this server does not support (gRPC ``UNIMPLEMENTED``).
+
+    Attributes: as ``InvalidArgument`` (``field``, ``reason``).
+    """
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -44,7 +48,8 @@ class PreparedRequest:
 
     Attributes:
       prompt_token_ids: the prompt, i32[P] as ints.
-      prompt_field: where the prompt came from ("text", "token_ids", "chat").
+      prompt_field: the request field the prompt came from (gRPC: "text",
+        "token_ids", "chat.messages"; HTTP: "prompt", "messages").
       params: validated ``SamplingParams`` with ``max_tokens`` resolved.
     """
 
@@ -107,7 +112,8 @@ class RequestPreparer:
           InvalidArgument: a bad prompt or sampling parameter (the field is named).
           Unsupported: ``prompt_logprobs`` (not supported by the engine).
         """
-        params = sampling_params_from_proto(request.sampling_params)
+        kwargs = sampling_params_kwargs_from_proto(request.sampling_params)
+        params = self.sampling_params(kwargs)
         kind = request.WhichOneof("prompt")
         if kind == "text":
             validate_text(request.text)
@@ -119,10 +125,37 @@ class RequestPreparer:
             field = "chat.messages"
         else:
             raise InvalidArgument("prompt", "set one of text, token_ids or chat")
+        return self.prepare_tokens(ids, params, prompt_field=field)
+
+    def sampling_params(self, kwargs: Mapping[str, Any]) -> SamplingParams:
+        """Validated ``SamplingParams`` from a request's explicit fields.
+
+        Args:
+          kwargs: the fields the request set (absent ``max_tokens`` = up to
+            the context length).
+
+        Raises:
+          InvalidArgument: ``sampling_params.<name>``.
+        """
+        return sampling_params_from_kwargs(kwargs)
+
+    def prepare_tokens(self, prompt_token_ids: Sequence[int], params: SamplingParams, *,
+                       prompt_field: str) -> PreparedRequest:
+        """Checks a tokenized prompt and its parameters against the model and the server.
+
+        Args:
+          prompt_token_ids: the prompt, i32[P] as ints.
+          params: from ``sampling_params``.
+          prompt_field: the request field the prompt came from, named in errors.
+
+        Raises:
+          InvalidArgument / Unsupported: naming the field.
+        """
+        ids = list(prompt_token_ids)
         self.check_limits(params)
         params = validate_request(ids, params, vocab_size=self.vocab_size,
-                                  max_model_len=self.max_model_len, prompt_field=field)
-        return PreparedRequest(ids, kind, params)
+                                  max_model_len=self.max_model_len, prompt_field=prompt_field)
+        return PreparedRequest(ids, prompt_field, params)
 
     def check_limits(self, params: SamplingParams) -> None:
         """The server's static limits (see the module docstring).
@@ -144,4 +177,4 @@ class RequestPreparer:
                                   f"{len(self.eos_token_ids)} EOS ids (unless ignore_eos), got "
                                   f"{num_stop}")
         if params.prompt_logprobs is not None:
-            raise Unsupported(prefix + "prompt_logprobs: not supported by this server")
+            raise Unsupported(prefix + "prompt_logprobs", "not supported by this server")

@@ -1,14 +1,25 @@
-"""The api process: the public gRPC server (``jaxserve.GenerateService``, health, reflection).
+"""The api process: the public servers — gRPC (``jaxserve.GenerateService``, health,
+reflection) and the OpenAI-compatible HTTP API — over one ``RequestRunner``.
 
     python -m jaxserve.api.server --engine-address 127.0.0.1:50061 --model DIR \\
-        [--host 0.0.0.0] [--port 50051] [--metrics-port 9090]
+        [--host 0.0.0.0] [--port 50051] [--http-port 8000] [--metrics-port 9090] \\
+        [--ssl-certfile CERT --ssl-keyfile KEY]    # API key: $JAXSERVE_API_KEY
 
-Started by ``jaxserve serve`` (``jaxserve.launcher``). Start-up: bind the port
-at once (health NOT_SERVING), load the tokenizer, wait for the engine process
-(``EngineClient.connect``: it is ready once its worker has loaded and compiled
-the model), then report SERVING for "" and "jaxserve.GenerateService". Server
-reflection lists GenerateService and Health. Prometheus metrics
-(``jaxserve.metrics``) are served over HTTP on ``--metrics-port`` (0 = off).
+Started by ``jaxserve serve`` (``jaxserve.launcher``). Start-up: bind the
+ports at once (health NOT_SERVING, HTTP 503), load the tokenizer, wait for the
+engine process (``EngineClient.connect``: it is ready once its worker has
+loaded and compiled the model), then report SERVING for "" and
+"jaxserve.GenerateService" and answer HTTP requests. Server reflection lists
+GenerateService and Health. Prometheus metrics (``jaxserve.metrics``) are
+served over HTTP on ``--metrics-port`` (0 = off). Both transports share the
+request path (``jaxserve.api.runner``): validation, admission, the engine
+client, detokenization and stop strings.
+
+Security: with an API key (``$JAXSERVE_API_KEY``, set by ``jaxserve serve
+--api-key``), gRPC calls of GenerateService need metadata ``authorization:
+Bearer <key>`` (else ``UNAUTHENTICATED``; health and reflection stay open)
+and HTTP requests the same header (else 401; ``/health`` stays open). With
+``--ssl-certfile`` and ``--ssl-keyfile`` both transports use TLS.
 
 NOT_SERVING again when the engine fails or is lost (its requests fail with
 ``UNAVAILABLE``). SIGINT / SIGTERM: health NOT_SERVING, running requests end
@@ -21,10 +32,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import pathlib
+import secrets
 import signal
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -32,7 +46,10 @@ from grpc_reflection.v1alpha import reflection
 
 from jaxserve.api.engine_client import EngineClient, EngineError
 from jaxserve.api.generate_service import SERVICE_NAME, GenerateServicer, stats_refresher
+from jaxserve.api.openai.app import HttpFrontEnd, http_server
 from jaxserve.api.prompts import RequestPreparer
+from jaxserve.api.runner import RequestRunner
+from jaxserve.launcher import API_KEY_ENV, READY_LINE
 from jaxserve.metrics import ServerMetrics
 from jaxserve.procutil import setup_logging
 from jaxserve.proto import generate_pb2 as pb
@@ -43,6 +60,7 @@ logger = logging.getLogger(__name__)
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 DEFAULT_MAX_WAITING_REQUESTS = 256
+DEFAULT_HTTP_PORT = 8000  # as vLLM's server
 
 
 def load_tokenizer(path: str):
@@ -53,7 +71,7 @@ def load_tokenizer(path: str):
 
 
 class ApiServer:
-    """The api process's server; ``await run()`` serves until ``stop()``.
+    """The api process's servers; ``await run()`` serves until ``stop()``.
 
     Args:
       args: parsed flags (see ``main``).
@@ -61,12 +79,14 @@ class ApiServer:
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
+        self.api_key = os.environ.get(API_KEY_ENV) or None
         self.engine = EngineClient(args.engine_address)
         self.metrics = ServerMetrics(
             lambda: self.engine.latest_stats,
-            lambda: self.servicer.num_pending_seqs if self.servicer is not None else 0)
+            lambda: self.runner.num_pending_seqs if self.runner is not None else 0)
         self.health = health.aio.HealthServicer()
-        self.servicer: GenerateServicer | None = None
+        self.runner: RequestRunner | None = None
+        self.http = HttpFrontEnd(api_key=self.api_key)
         self._stopped = asyncio.Event()
 
     async def _set_health(self, status: int) -> None:
@@ -76,17 +96,39 @@ class ApiServer:
     def stop(self) -> None:
         self._stopped.set()
 
-    async def run(self) -> None:
+    def _grpc_server(self) -> tuple[grpc.aio.Server, str]:
         args = self.args
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-        await self._set_health(NOT_SERVING)
+        interceptors = [ApiKeyInterceptor(self.api_key)] if self.api_key else []
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)], interceptors=interceptors)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (pb.DESCRIPTOR.services_by_name["GenerateService"].full_name,
              health.SERVICE_NAME, reflection.SERVICE_NAME), server)
         address = f"{args.host}:{args.port}"
-        if server.add_insecure_port(address) == 0:
+        if args.ssl_certfile:
+            credentials = grpc.ssl_server_credentials([(
+                pathlib.Path(args.ssl_keyfile).read_bytes(),
+                pathlib.Path(args.ssl_certfile).read_bytes())])
+            bound = server.add_secure_port(address, credentials)
+        else:
+            bound = server.add_insecure_port(address)
+        if bound == 0:
             raise RuntimeError(f"cannot bind {address}")
+        return server, address
+
+    async def run(self) -> None:
+        args = self.args
+        await self._set_health(NOT_SERVING)
+        server, address = self._grpc_server()
+        http_task = None
+        if args.http_port:
+            http, sock = http_server(self.http, host=args.host, port=args.http_port,
+                                     ssl_certfile=args.ssl_certfile,
+                                     ssl_keyfile=args.ssl_keyfile,
+                                     shutdown_grace=args.shutdown_grace)
+            http_task = asyncio.create_task(http.serve(sockets=[sock]))
+            logger.info("HTTP (OpenAI-compatible) on %s://%s:%d", "https" if args.ssl_certfile
+                        else "http", args.host, args.http_port)
         if args.metrics_port:  # bound now, so a busy port fails before the slow start-up
             try:
                 self.metrics.serve(args.metrics_port, args.host)
@@ -97,18 +139,28 @@ class ApiServer:
         tokenizer = await asyncio.to_thread(load_tokenizer, args.model)
         # Generate must exist before start (aio servers take no handlers later): it
         # answers UNAVAILABLE until the engine is connected.
-        info_future: asyncio.Future = asyncio.get_running_loop().create_future()
-        pb_grpc.add_GenerateServiceServicer_to_server(_Deferred(info_future), server)
+        servicer: asyncio.Future = asyncio.get_running_loop().create_future()
+        pb_grpc.add_GenerateServiceServicer_to_server(_Deferred(servicer), server)
         await server.start()
         logger.info("api listening on %s; waiting for the engine at %s", address,
                     args.engine_address)
+        try:
+            await self._serve(tokenizer, servicer, address)
+        finally:
+            if http_task is not None:
+                http.stop()
+                await http_task
+            await server.stop(grace=args.shutdown_grace)
+            await self.engine.close()
+            logger.info("api stopped")
+
+    async def _serve(self, tokenizer: Any, servicer: asyncio.Future, address: str) -> None:
+        args = self.args
         connect = asyncio.create_task(self.engine.connect(timeout=args.engine_timeout))
         stopped = asyncio.create_task(self._stopped.wait())
         await asyncio.wait({connect, stopped}, return_when=asyncio.FIRST_COMPLETED)
         if not connect.done():  # stopped while waiting for the engine
             connect.cancel()
-            await server.stop(grace=0)
-            await self.engine.close()
             return
         stopped.cancel()
         info = connect.result()  # raises EngineError when the engine never answered
@@ -116,27 +168,58 @@ class ApiServer:
                                    max_model_len=info.max_model_len,
                                    eos_token_ids=info.eos_token_ids,
                                    max_num_seqs=info.max_num_seqs)
-        self.servicer = GenerateServicer(
+        self.runner = RequestRunner(
             self.engine, preparer, model_name=args.served_model_name or _model_name(args.model),
             metrics=self.metrics,
             max_pending_seqs=info.max_num_seqs + args.max_waiting_requests)
-        info_future.set_result(self.servicer)
+        servicer.set_result(GenerateServicer(self.runner))
+        self.http.attach(self.runner)
         loop = asyncio.get_running_loop()
         self.engine.on_failure(
             lambda error: loop.create_task(self._set_health(NOT_SERVING)))
         refresh = asyncio.create_task(stats_refresher(self.engine)())
         await self._set_health(SERVING)
+        print(READY_LINE, flush=True)
         logger.info("api serving %s on %s (max_model_len %d, %d usable KV blocks of %d tokens)",
-                    self.servicer.model_name, address, info.max_model_len,
+                    self.runner.model_name, address, info.max_model_len,
                     info.num_kv_blocks - 1, info.block_size)
         await self._stopped.wait()
         logger.info("api shutting down")
         await self._set_health(NOT_SERVING)
-        self.servicer.begin_shutdown()
+        self.runner.begin_shutdown()
         refresh.cancel()
-        await server.stop(grace=args.shutdown_grace)
-        await self.engine.close()
-        logger.info("api stopped")
+
+
+class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses GenerateService calls without metadata ``authorization: Bearer <key>``.
+
+    Health and reflection stay open (probes, ``grpcurl list``).
+
+    Args:
+      api_key: the key.
+    """
+
+    def __init__(self, api_key: str) -> None:
+        self._expected = f"Bearer {api_key}".encode()
+
+        async def refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                "a valid API key is required (metadata authorization: "
+                                "Bearer <key>)")
+
+        self._refuse_unary = grpc.unary_unary_rpc_method_handler(refuse)
+        self._refuse_stream = grpc.unary_stream_rpc_method_handler(refuse)
+
+    async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
+        if not details.method.startswith(f"/{SERVICE_NAME}/"):
+            return await continuation(details)
+        given = dict(details.invocation_metadata or ()).get("authorization", "")
+        if isinstance(given, str):
+            given = given.encode()
+        if secrets.compare_digest(given, self._expected):
+            return await continuation(details)
+        return (self._refuse_stream if details.method.endswith("/Generate")
+                else self._refuse_unary)
 
 
 class _Deferred(pb_grpc.GenerateServiceServicer):
@@ -176,8 +259,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the name GetModelInfo reports (default: the directory's name)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=50051, help="gRPC port (default 50051)")
+    parser.add_argument("--http-port", type=int, default=0,
+                        help="OpenAI-compatible HTTP API port (0 = off)")
     parser.add_argument("--metrics-port", type=int, default=0,
                         help="Prometheus metrics HTTP port (0 = off)")
+    parser.add_argument("--ssl-certfile", default=None,
+                        help="TLS certificate (PEM) for gRPC and HTTP; needs --ssl-keyfile")
+    parser.add_argument("--ssl-keyfile", default=None, help="TLS private key (PEM)")
     parser.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS,
                         help="sequences that may wait beyond max_num_seqs before new requests "
                              "get RESOURCE_EXHAUSTED")
@@ -190,7 +278,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if bool(args.ssl_certfile) != bool(args.ssl_keyfile):
+        parser.error("--ssl-certfile and --ssl-keyfile go together")
     setup_logging("api", args.log_level)
 
     async def run() -> None:

@@ -18,7 +18,7 @@ import grpc.aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from jaxserve.client.sync import DEFAULT_TARGET
-from jaxserve.client.types import (GenerateResult, JaxServeError, Message, ModelInfo,
+from jaxserve.client.types import (GenerateResult, call_metadata, channel_credentials, JaxServeError, Message, ModelInfo,
                                    ResultBuilder, StreamDelta, TokenizeResult,
                                    build_generate_request, build_tokenize_request,
                                    delta_from_proto, model_info_from_proto, num_completions)
@@ -32,9 +32,15 @@ class AsyncClient:
 
     def __init__(self, target: str = DEFAULT_TARGET, *, timeout: float | None = None,
                  channel: grpc.aio.Channel | None = None,
-                 options: Sequence[tuple[str, Any]] | None = None) -> None:
+                 options: Sequence[tuple[str, Any]] | None = None, api_key: str | None = None,
+                 tls: bool = False, root_certificates: bytes | None = None) -> None:
         self._owns_channel = channel is None
-        self._channel = channel or grpc.aio.insecure_channel(target, options=options)
+        if channel is None:
+            credentials = channel_credentials(tls, root_certificates)
+            channel = (grpc.aio.insecure_channel(target, options=options) if credentials is None
+                       else grpc.aio.secure_channel(target, credentials, options=options))
+        self._channel = channel
+        self._metadata = call_metadata(api_key)
         self._stub = pb_grpc.GenerateServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._timeout = timeout
@@ -103,7 +109,8 @@ class AsyncClient:
 
     async def _call_stream(self, request: pb.GenerateRequest,
                            timeout: float | None) -> AsyncIterator[StreamDelta]:
-        call = self._stub.Generate(request, timeout=self._deadline(timeout))
+        call = self._stub.Generate(request, timeout=self._deadline(timeout),
+                                  metadata=self._metadata)
         try:
             async for response in call:
                 yield delta_from_proto(response)
@@ -134,6 +141,7 @@ class AsyncClient:
 
     async def _unary(self, method: Any, request: Any, timeout: float | None) -> Any:
         try:
-            return await method(request, timeout=self._deadline(timeout))
+            return await method(request, timeout=self._deadline(timeout),
+                                metadata=self._metadata)
         except grpc.aio.AioRpcError as err:
             raise JaxServeError.from_rpc_error(err) from None

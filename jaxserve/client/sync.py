@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from jaxserve.client.types import (GenerateResult, JaxServeError, Message, ModelInfo,
+from jaxserve.client.types import (GenerateResult, call_metadata, channel_credentials, JaxServeError, Message, ModelInfo,
                                    ResultBuilder, StreamDelta, TokenizeResult,
                                    build_generate_request, build_tokenize_request,
                                    delta_from_proto, model_info_from_proto, num_completions)
@@ -32,9 +32,16 @@ class Client:
     Args:
       target: ``host:port`` of the server.
       timeout: default deadline of every call, in seconds (None = none).
-      channel: use this channel instead of an insecure one to ``target``
-        (TLS, interceptors); the client then does not close it.
+      channel: use this channel instead of creating one to ``target``
+        (interceptors, custom credentials); the client then does not close it.
       options: gRPC channel options for the channel it creates.
+      api_key: sent as metadata ``authorization: Bearer <key>`` with every
+        call (a server started with ``--api-key`` refuses calls without it,
+        ``UNAUTHENTICATED``).
+      tls: connect with TLS, trusting the system's root certificates or
+        ``root_certificates``.
+      root_certificates: PEM bytes of the certificates to trust (e.g. a
+        server's self-signed certificate); implies ``tls``.
 
     Sampling parameters are keyword arguments (``temperature=0,
     max_tokens=32``) and/or ``sampling_params=`` a ``SamplingParams`` or a
@@ -45,9 +52,15 @@ class Client:
 
     def __init__(self, target: str = DEFAULT_TARGET, *, timeout: float | None = None,
                  channel: grpc.Channel | None = None,
-                 options: Sequence[tuple[str, Any]] | None = None) -> None:
+                 options: Sequence[tuple[str, Any]] | None = None, api_key: str | None = None,
+                 tls: bool = False, root_certificates: bytes | None = None) -> None:
         self._owns_channel = channel is None
-        self._channel = channel or grpc.insecure_channel(target, options=options)
+        if channel is None:
+            credentials = channel_credentials(tls, root_certificates)
+            channel = (grpc.insecure_channel(target, options=options) if credentials is None
+                       else grpc.secure_channel(target, credentials, options=options))
+        self._channel = channel
+        self._metadata = call_metadata(api_key)
         self._stub = pb_grpc.GenerateServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._timeout = timeout
@@ -136,7 +149,8 @@ class Client:
 
     def _call_stream(self, request: pb.GenerateRequest,
                      timeout: float | None) -> Iterator[StreamDelta]:
-        call = self._stub.Generate(request, timeout=self._deadline(timeout))
+        call = self._stub.Generate(request, timeout=self._deadline(timeout),
+                                  metadata=self._metadata)
         try:
             for response in call:
                 yield delta_from_proto(response)
@@ -179,6 +193,6 @@ class Client:
 
     def _unary(self, method: Any, request: Any, timeout: float | None) -> Any:
         try:
-            return method(request, timeout=self._deadline(timeout))
+            return method(request, timeout=self._deadline(timeout), metadata=self._metadata)
         except grpc.RpcError as err:
             raise JaxServeError.from_rpc_error(err) from None

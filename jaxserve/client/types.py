@@ -273,3 +273,16 @@ def num_completions(request: pb.GenerateRequest) -> int:
     """n of a request (1 when absent)."""
     params = request.sampling_params
     return params.n if params.HasField("n") else 1
+
+
+def call_metadata(api_key: str | None) -> tuple[tuple[str, str], ...] | None:
+    """The metadata every call sends: ``authorization: Bearer <key>``, or None without a key."""
+    return (("authorization", f"Bearer {api_key}"),) if api_key else None
+
+
+def channel_credentials(tls: bool, root_certificates: bytes | None
+                        ) -> grpc.ChannelCredentials | None:
+    """TLS credentials (the system's roots, or ``root_certificates`` PEM), or None for none."""
+    if not tls and root_certificates is None:
+        return None
+    return grpc.ssl_channel_credentials(root_certificates=root_certificates)

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 
 from jaxserve.engine.service import add_engine_arguments, engine_flags
+from jaxserve.launcher import API_KEY_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -31,8 +33,22 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_server_arguments(parser)
     parser.add_argument("--port", type=int, default=50051, help="gRPC port (default 50051)")
+    parser.add_argument("--http-port", type=int, default=8000,
+                        help="OpenAI-compatible HTTP API port (default 8000)")
+    parser.add_argument("--no-http", dest="http_port", action="store_const", const=0,
+                        help="serve gRPC only (no HTTP API)")
     parser.add_argument("--metrics-port", type=int, default=9090,
                         help="Prometheus /metrics HTTP port (default 9090; 0 = off)")
+    parser.add_argument("--served-model-name", default=None,
+                        help="the model's name in both APIs (the OpenAI `model` field; default: "
+                             "the model folder's name)")
+    parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                        help=f"require this key on both APIs (HTTP `Authorization: Bearer KEY`, "
+                             f"gRPC metadata `authorization: Bearer KEY`; default "
+                             f"${API_KEY_ENV})")
+    parser.add_argument("--ssl-certfile", default=None,
+                        help="TLS certificate (PEM) for both APIs; needs --ssl-keyfile")
+    parser.add_argument("--ssl-keyfile", default=None, help="TLS private key (PEM)")
 
 
 def serve_options(args: argparse.Namespace, **overrides: object):
@@ -41,6 +57,11 @@ def serve_options(args: argparse.Namespace, **overrides: object):
 
     values = dict(model=args.model, host=args.host, port=getattr(args, "port", 50051),
                   metrics_port=getattr(args, "metrics_port", 0),
+                  http_port=getattr(args, "http_port", 0),
+                  served_model_name=getattr(args, "served_model_name", None),
+                  api_key=getattr(args, "api_key", None),
+                  ssl_certfile=getattr(args, "ssl_certfile", None),
+                  ssl_keyfile=getattr(args, "ssl_keyfile", None),
                   max_waiting_requests=args.max_waiting_requests,
                   engine_flags=tuple(engine_flags(args)), log_level=args.log_level,
                   in_process_worker=args.in_process_worker)
@@ -53,6 +74,9 @@ def run(args: argparse.Namespace) -> int:
     from jaxserve.launcher import Launcher, ServerExited
     from jaxserve.procutil import StopSignal
 
+    if bool(args.ssl_certfile) != bool(args.ssl_keyfile):
+        logger.error("--ssl-certfile and --ssl-keyfile go together")
+        return 2
     stop = StopSignal()
     launcher = Launcher(serve_options(args))
     try:
@@ -62,7 +86,8 @@ def run(args: argparse.Namespace) -> int:
             logger.error("%s", err)
             return 1
         seconds = launcher.wait_ready(args.ready_timeout, stop_event=stop.event)
-        logger.info("jaxserve ready on %s after %.1f s", launcher.address, seconds)
+        logger.info("jaxserve ready on %s (gRPC)%s after %.1f s", launcher.address,
+                    f" and port {args.http_port} (HTTP)" if args.http_port else "", seconds)
         return launcher.wait(stop.event)
     except InterruptedError:
         return 0

@@ -29,12 +29,16 @@ DEMO_ENGINE = ("--max-num-seqs", "1", "--max-num-batched-tokens", "64")
 
 @contextlib.contextmanager
 def serve(model_dir: pathlib.Path, engine_flags: tuple[str, ...] = SMALL_ENGINE, *,
-          max_waiting_requests: int = 256, metrics_port: int = 0) -> Iterator[Launcher]:
-    """A running server (``launcher.address``), shut down on exit."""
+          max_waiting_requests: int = 256, metrics_port: int = 0,
+          **options: object) -> Iterator[Launcher]:
+    """A running server (``launcher.address``), shut down on exit.
+
+    ``options``: further ``ServeOptions`` fields (``http_port``, ``api_key``, ...).
+    """
     launcher = Launcher(ServeOptions(
         model=str(model_dir), port=free_port(), metrics_port=metrics_port,
         max_waiting_requests=max_waiting_requests, engine_flags=engine_flags,
-        log_level=os.environ.get("JAXSERVE_TEST_SERVER_LOG_LEVEL", "WARNING")))
+        log_level=os.environ.get("JAXSERVE_TEST_SERVER_LOG_LEVEL", "WARNING"), **options))
     try:
         launcher.start()
         launcher.wait_ready(READY_TIMEOUT_S)

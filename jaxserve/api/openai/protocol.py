@@ -1,0 +1,152 @@
+"""Request bodies of the OpenAI-compatible HTTP API (pydantic; jax-free).
+
+Field names and meanings follow the OpenAI API reference (Completions and
+Chat Completions) and vLLM's extensions to it (``top_k``, ``min_p``,
+``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
+``include_stop_str_in_output``, ``skip_special_tokens``,
+``spaces_between_special_tokens``, ``add_generation_prompt``, ``cache_salt``,
+``request_id``, ``return_tokens_as_token_ids``), so requests written for vLLM's server work unchanged.
+
+A field the request does not set stays ``None`` and takes the server's
+default (the model's generation config, else ``SamplingParams``' default).
+Unknown fields are refused (400 naming the field), and so are OpenAI fields
+this server cannot honour when set to anything but their no-op value
+(``UNSUPPORTED_FIELDS``): nothing is silently ignored. Range checks are
+``SamplingParams``' own (one validation for every transport).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Body):
+    """``stream_options``: ``include_usage`` adds a last chunk with the usage."""
+
+    include_usage: bool = False
+
+
+class SamplingFields(_Body):
+    """The fields both endpoints share (sampling, streaming, vLLM extensions)."""
+
+    model: str | None = None
+    n: int | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None  # accepted, not used (OpenAI: for abuse monitoring)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # vLLM's extensions
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    cache_salt: str | None = None
+    request_id: str | None = None
+    return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:<id>"
+
+
+class CompletionRequest(SamplingFields):
+    """``POST /v1/completions``.
+
+    ``prompt``: a string, a list of token ids, or a batch of either (each
+    prompt gets ``n`` choices, indexed ``prompt_index * n + j``).
+    ``logprobs``: the number of top logprobs per token (0 = only the sampled
+    token's). ``echo`` prepends the prompt's text.
+    """
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    # OpenAI fields accepted only at their no-op value (UNSUPPORTED_FIELDS)
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class ChatMessage(_Body):
+    """One chat message; ``content`` is a string or a list of text parts."""
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    """``POST /v1/chat/completions``.
+
+    ``max_completion_tokens`` is OpenAI's newer name for ``max_tokens`` (set
+    at most one). ``logprobs`` (bool) with ``top_logprobs`` (0..20) returns
+    per-token logprobs.
+    """
+
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    # OpenAI fields accepted only at their no-op value (UNSUPPORTED_FIELDS)
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    audio: Any = None
+    prediction: Any = None
+    store: bool | None = None
+    metadata: dict[str, Any] | None = None
+    service_tier: str | None = None
+    reasoning_effort: str | None = None
+
+
+# field -> the values that mean "not used" (anything else is refused with a 400)
+UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
+    "suffix": (None, ""),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "parallel_tool_calls": (None, False, True),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+    "prediction": (None,),
+    "store": (None, False),
+    "metadata": (None, {}),
+    "service_tier": (None, "auto", "default"),
+    "reasoning_effort": (None,),
+}
+
+
+class TokenizeRequest(_Body):
+    """``POST /tokenize`` (vLLM's shape): ``prompt`` or ``messages``."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Body):
+    """``POST /detokenize`` (vLLM's shape)."""
+
+    model: str | None = None
+    tokens: list[int] = Field(default_factory=list)

@@ -1,0 +1,479 @@
+"""OpenAI Completions and Chat Completions over ``RequestRunner`` (jax-free).
+
+The HTTP transport's half of "one implementation, two transports": a request
+body becomes the same ``PreparedRequest`` a gRPC ``GenerateRequest`` becomes
+(``RequestPreparer``: tokenization, the chat template, the model's default
+sampling parameters, every limit), runs through the same ``RequestRunner``
+(admission, the engine, detokenization, stop strings, aborts), and the
+resulting ``GenerateResponse`` messages are rendered as OpenAI JSON objects
+— whole, or as Server-Sent Events chunks ending with ``data: [DONE]``.
+
+Errors are ``ApiError``s naming the OpenAI parameter (``param``): the
+preparer's field names (``sampling_params.top_p``, ``text``,
+``chat.messages``) are mapped to the request's own (``top_p``, ``prompt``,
+``messages``).
+
+Response shapes follow the OpenAI API reference; ``stop_reason`` (the stop
+string or stop token id that ended a choice, else null) and
+``prompt_tokens_details.cached_tokens`` (prompt tokens served from the prefix
+cache) are as in vLLM's server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Any
+
+import grpc
+
+from jaxserve.api.openai.protocol import (UNSUPPORTED_FIELDS, ChatCompletionRequest,
+                                          CompletionRequest, SamplingFields)
+from jaxserve.api.prompts import PreparedRequest
+from jaxserve.api.runner import ApiError, RequestRunner, RunningRequest
+from jaxserve.proto import generate_pb2 as pb
+from jaxserve.proto.convert import finish_reason_from_proto
+
+# SamplingFields that map one-to-one onto SamplingParams fields.
+_DIRECT_FIELDS = ("n", "temperature", "top_p", "stop", "seed", "presence_penalty",
+                  "frequency_penalty", "top_k", "min_p", "repetition_penalty", "min_tokens",
+                  "ignore_eos", "stop_token_ids", "include_stop_str_in_output",
+                  "skip_special_tokens", "spaces_between_special_tokens")
+_DONE = object()
+
+
+def bad_request(runner: RequestRunner, param: str, reason: str) -> ApiError:
+    """A 400 naming ``param`` (counted as a rejected request)."""
+    return runner.reject(grpc.StatusCode.INVALID_ARGUMENT, f"{param}: {reason}", param)
+
+
+def check_model(runner: RequestRunner, model: str | None) -> None:
+    """``model`` must be the served model's name (None means it).
+
+    Raises:
+      ApiError: ``NOT_FOUND`` (HTTP 404), param ``model``.
+    """
+    if model is not None and model != runner.model_name:
+        raise runner.reject(grpc.StatusCode.NOT_FOUND,
+                            f"model: the model {model!r} does not exist; this server serves "
+                            f"{runner.model_name!r}", "model")
+
+
+class OpenAIServing:
+    """Runs OpenAI requests; one per api process.
+
+    Args:
+      runner: the api process's request runner.
+    """
+
+    def __init__(self, runner: RequestRunner) -> None:
+        self.runner = runner
+        self.tokenizer = runner.preparer.tokenizer
+        self._token_text = functools.lru_cache(maxsize=65536)(self._decode_one)
+
+    def _decode_one(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    # ------------------------------------------------------------- requests
+    def _params(self, body: SamplingFields, *, max_tokens: int | None, max_tokens_param: str,
+                logprobs: int | None, logprobs_param: str):
+        """Validated ``SamplingParams`` from the body's explicit fields."""
+        for name, allowed in UNSUPPORTED_FIELDS.items():
+            if name in body.model_fields and getattr(body, name) not in allowed:
+                raise bad_request(self.runner, name, "not supported by this server")
+        kwargs: dict[str, Any] = {name: getattr(body, name) for name in _DIRECT_FIELDS
+                                  if getattr(body, name) is not None}
+        if max_tokens is not None:
+            kwargs["max_tokens"] = max_tokens
+        if logprobs is not None:
+            kwargs["logprobs"] = logprobs
+        if body.logit_bias is not None:
+            bias = {}
+            for key, value in body.logit_bias.items():
+                try:
+                    bias[int(key)] = value
+                except ValueError:
+                    raise bad_request(self.runner, "logit_bias", f"keys must be token ids, got {key!r}") \
+                        from None
+            kwargs["logit_bias"] = bias
+        renames = {"max_tokens": max_tokens_param, "logprobs": logprobs_param}
+        with self._errors(renames):
+            return self.runner.preparer.sampling_params(kwargs)
+
+    @contextlib.contextmanager
+    def _errors(self, renames: dict[str, str]) -> Iterator[None]:
+        """``runner.preparer_errors()`` with ``sampling_params.<name>`` mapped to the request's
+        parameter (``renames``, else ``<name>``); prompt fields are named by the caller."""
+        try:
+            with self.runner.preparer_errors():
+                yield
+        except ApiError as err:
+            field = err.field or ""
+            if not field.startswith("sampling_params."):
+                raise
+            name = field.removeprefix("sampling_params.")
+            param = renames.get(name, name)
+            raise ApiError(err.code, param + err.message[len(field):], param) from None
+
+    def _prepare_tokens(self, ids: Sequence[int], params, prompt_param: str,
+                        renames: dict[str, str]) -> PreparedRequest:
+        with self._errors(renames):
+            return self.runner.preparer.prepare_tokens(ids, params, prompt_field=prompt_param)
+
+    def completion_prompts(self, body: CompletionRequest) -> list[tuple[list[int], str]]:
+        """(token ids, echo text) per prompt of a completions request."""
+        prompt = body.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            prompts: list[Any] = [prompt]
+        else:
+            prompts = list(prompt)
+        if not prompts:
+            raise bad_request(self.runner, "prompt", "must not be empty")
+        out = []
+        for i, item in enumerate(prompts):
+            param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+            if isinstance(item, str):
+                if not item:
+                    raise bad_request(self.runner, param, "the prompt must not be empty")
+                out.append((self.runner.preparer.encode_text(item), item))
+            else:
+                out.append((list(item), self.tokenizer.decode(item) if body.echo else ""))
+        return out
+
+    def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+        """The token ids of a chat request's messages, rendered by the chat template."""
+        messages = []
+        for i, message in enumerate(body.messages):
+            content = message.content
+            if isinstance(content, list):
+                parts = []
+                for j, part in enumerate(content):
+                    if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                        raise bad_request(self.runner, f"messages[{i}].content[{j}]",
+                                          "only text parts ({\"type\": \"text\", \"text\": ...}) "
+                                          "are supported")
+                    parts.append(part["text"])
+                content = "".join(parts)
+            messages.append(pb.ChatMessage(role=message.role, content=content or ""))
+        chat = pb.Chat(messages=messages, add_generation_prompt=body.add_generation_prompt)
+        with self._errors({}):
+            return self.runner.preparer.encode_chat(chat, field="messages")[1]
+
+    async def _start(self, prepared: list[PreparedRequest], body: SamplingFields,
+                     request_id: str) -> list[RunningRequest]:
+        started: list[RunningRequest] = []
+        try:
+            for i, p in enumerate(prepared):
+                rid = request_id if len(prepared) == 1 else f"{request_id}-{i}"
+                started.append(await self.runner.start(p, request_id=rid, stream=body.stream,
+                                                       cache_salt=body.cache_salt or ""))
+        except BaseException:
+            for running in started:
+                running.close()
+            raise
+        return started
+
+    # ---------------------------------------------------------- completions
+    async def completions(self, body: CompletionRequest) -> "OpenAIResult":
+        """Runs ``POST /v1/completions``.
+
+        Raises:
+          ApiError: before anything is sent (bad input, queue full, not serving).
+        """
+        runner = self.runner
+        runner.check_ready()
+        check_model(runner, body.model)
+        if body.best_of is not None and body.best_of != (body.n or 1):
+            raise bad_request(self.runner, "best_of", "only best_of == n is supported")
+        if body.echo and body.logprobs is not None:
+            raise bad_request(self.runner, "echo", "echo with logprobs needs prompt logprobs, which this "
+                                      "server does not support")
+        params = self._params(body, max_tokens=body.max_tokens, max_tokens_param="max_tokens",
+                              logprobs=body.logprobs, logprobs_param="logprobs")
+        prompts = self.completion_prompts(body)
+        prepared = [self._prepare_tokens(ids, params, "prompt" if len(prompts) == 1
+                                         else f"prompt[{i}]", {"max_tokens": "max_tokens"})
+                    for i, (ids, _) in enumerate(prompts)]
+        request_id = body.request_id or f"cmpl-{uuid.uuid4().hex}"
+        running = await self._start(prepared, body, request_id)
+        return OpenAIResult(self, "text_completion", request_id, running, prepared,
+                            echo=[text for _, text in prompts] if body.echo else None,
+                            include_usage=bool(body.stream_options
+                                               and body.stream_options.include_usage),
+                            as_ids=body.return_tokens_as_token_ids)
+
+    async def chat_completions(self, body: ChatCompletionRequest) -> "OpenAIResult":
+        """Runs ``POST /v1/chat/completions``.
+
+        Raises:
+          ApiError: before anything is sent (bad input, queue full, not serving).
+        """
+        runner = self.runner
+        runner.check_ready()
+        check_model(runner, body.model)
+        if body.response_format is not None and body.response_format.get("type") != "text":
+            raise bad_request(self.runner, "response_format", "only {\"type\": \"text\"} is supported")
+        if body.max_tokens is not None and body.max_completion_tokens is not None:
+            raise bad_request(self.runner, "max_completion_tokens", "set max_completion_tokens or "
+                                                       "max_tokens, not both")
+        max_param = "max_completion_tokens" if body.max_completion_tokens is not None \
+            else "max_tokens"
+        if body.top_logprobs is not None and not body.logprobs:
+            raise bad_request(self.runner, "top_logprobs", "needs logprobs: true")
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        params = self._params(body, max_tokens=body.max_completion_tokens or body.max_tokens,
+                              max_tokens_param=max_param, logprobs=logprobs,
+                              logprobs_param="top_logprobs")
+        ids = self.chat_prompt(body)
+        prepared = [self._prepare_tokens(ids, params, "messages", {"max_tokens": max_param})]
+        request_id = body.request_id or f"chatcmpl-{uuid.uuid4().hex}"
+        running = await self._start(prepared, body, request_id)
+        return OpenAIResult(self, "chat.completion", request_id, running, prepared, echo=None,
+                            include_usage=bool(body.stream_options
+                                               and body.stream_options.include_usage),
+                            as_ids=body.return_tokens_as_token_ids)
+
+    # ------------------------------------------------------------ logprobs
+    def token_text(self, token_id: int, as_id: bool) -> str:
+        """A logprob entry's ``token``: its text, or ``"token_id:<id>"`` (vLLM's
+        ``return_tokens_as_token_ids``)."""
+        return f"token_id:{token_id}" if as_id else self._token_text(token_id)
+
+    def completion_logprobs(self, response: pb.GenerateResponse, offset: int,
+                            as_ids: bool) -> dict[str, Any]:
+        """The Completions ``logprobs`` of one response's tokens (text offsets from ``offset``)."""
+        tokens = [self.token_text(t, as_ids) for t in response.token_ids]
+        text_offset = []
+        for token in tokens:
+            text_offset.append(offset)
+            offset += len(token)
+        return {"tokens": tokens,
+                "token_logprobs": [lp.logprob for lp in response.logprobs],
+                "top_logprobs": [{self.token_text(t, as_ids): v for t, v in
+                                  zip(lp.top_token_ids, lp.top_logprobs)}
+                                 for lp in response.logprobs],
+                "text_offset": text_offset}
+
+    def chat_logprobs(self, response: pb.GenerateResponse, as_ids: bool) -> dict[str, Any]:
+        """The Chat Completions ``logprobs`` object of one response's tokens."""
+        def entry(token_id: int, logprob: float) -> dict[str, Any]:
+            text = self.token_text(token_id, as_ids)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        content = []
+        for token_id, lp in zip(response.token_ids, response.logprobs):
+            item = entry(token_id, lp.logprob)
+            item["top_logprobs"] = [entry(t, v) for t, v in zip(lp.top_token_ids, lp.top_logprobs)]
+            content.append(item)
+        return {"content": content}
+
+
+class OpenAIResult:
+    """The running request(s) of one OpenAI call: render as JSON or as SSE chunks.
+
+    Args:
+      serving: the ``OpenAIServing`` (tokenizer, logprob rendering).
+      kind: ``"text_completion"`` or ``"chat.completion"``.
+      request_id: the response ``id``.
+      running: one ``RunningRequest`` per prompt (each with ``n`` choices).
+      prepared: their ``PreparedRequest``s (prompt lengths, ``n``).
+      echo: per prompt, text to prepend to each choice (completions ``echo``), or None.
+      include_usage: streamed: end with a chunk carrying ``usage``.
+      as_ids: logprob tokens as ``"token_id:<id>"``.
+    """
+
+    def __init__(self, serving: OpenAIServing, kind: str, request_id: str,
+                 running: list[RunningRequest], prepared: list[PreparedRequest], *,
+                 echo: list[str] | None, include_usage: bool, as_ids: bool) -> None:
+        self.serving = serving
+        self.kind = kind
+        self.id = request_id
+        self.running = running
+        self.n = prepared[0].params.n
+        self.want_logprobs = prepared[0].params.logprobs is not None
+        self.echo = echo
+        self.include_usage = include_usage
+        self.as_ids = as_ids
+        self.created = int(time.time())
+        self.model = serving.runner.model_name
+        self._prompt_tokens = [len(p.prompt_token_ids) for p in prepared]
+        self._cached = [0] * len(prepared)
+        self._completion_tokens: dict[int, int] = {}
+
+    def close(self) -> None:
+        """Aborts every request that has not finished (idempotent)."""
+        for running in self.running:
+            running.close()
+
+    async def _responses(self) -> AsyncIterator[tuple[int, pb.GenerateResponse]]:
+        """(choice index, response) from every prompt's request, as they come."""
+        if len(self.running) == 1:
+            async for response in self.running[0].responses():
+                yield response.index, response
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(prompt_index: int, running: RunningRequest) -> None:
+            try:
+                async for response in running.responses():
+                    queue.put_nowait((prompt_index * self.n + response.index, response))
+            except ApiError as err:
+                queue.put_nowait(err)
+            finally:
+                queue.put_nowait(_DONE)
+
+        tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(self.running)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                item = await queue.get()
+                if item is _DONE:
+                    remaining -= 1
+                elif isinstance(item, ApiError):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            self.close()
+
+    def _account(self, index: int, response: pb.GenerateResponse) -> None:
+        if response.HasField("finished"):
+            finished = response.finished
+            self._completion_tokens[index] = finished.completion_tokens
+            self._cached[index // self.n] = finished.cached_prompt_tokens
+
+    def usage(self) -> dict[str, Any]:
+        """OpenAI ``usage`` (with ``prompt_tokens_details.cached_tokens``)."""
+        prompt = sum(self._prompt_tokens)
+        completion = sum(self._completion_tokens.values())
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": sum(self._cached)}}
+
+    @staticmethod
+    def _finish(response: pb.GenerateResponse) -> tuple[str | None, str | int | None]:
+        if not response.HasField("finished"):
+            return None, None
+        finished = response.finished
+        matched = finished.WhichOneof("matched")
+        return (finish_reason_from_proto(finished.reason),
+                getattr(finished, matched) if matched else None)
+
+    # --------------------------------------------------------------- whole
+    async def body(self) -> dict[str, Any]:
+        """The whole response object (non-streamed requests).
+
+        Raises:
+          ApiError: the engine failed (``UNAVAILABLE``).
+        """
+        choices: dict[int, dict[str, Any]] = {}
+        async for index, response in self._responses():
+            self._account(index, response)
+            reason, stop_reason = self._finish(response)
+            text = response.text
+            if self.kind == "text_completion":
+                echo = self.echo[index // self.n] if self.echo else ""
+                choice = {"index": index, "text": echo + text, "logprobs": None,
+                          "finish_reason": reason, "stop_reason": stop_reason}
+                if self.want_logprobs:
+                    choice["logprobs"] = self.serving.completion_logprobs(response, len(echo),
+                                                                         self.as_ids)
+            else:
+                choice = {"index": index, "message": {"role": "assistant", "content": text},
+                          "logprobs": None, "finish_reason": reason,
+                          "stop_reason": stop_reason}
+                if self.want_logprobs:
+                    choice["logprobs"] = self.serving.chat_logprobs(response, self.as_ids)
+            choices[index] = choice
+        return {"id": self.id, "object": self.kind, "created": self.created, "model": self.model,
+                "choices": [choices[i] for i in sorted(choices)], "usage": self.usage()}
+
+    # ------------------------------------------------------------- stream
+    async def events(self) -> AsyncIterator[str]:
+        """Server-Sent Events: ``data: <chunk>`` lines, then ``data: [DONE]``.
+
+        An engine failure mid-stream is sent as ``data: {"error": ...}``
+        before ``[DONE]``.
+        """
+        chunk_kind = self.kind + ".chunk" if self.kind == "chat.completion" else self.kind
+        offsets: dict[int, int] = {}
+        try:
+            async for index, response in self._responses():
+                self._account(index, response)
+                reason, stop_reason = self._finish(response)
+                first = index not in offsets
+                if first:
+                    offsets[index] = 0
+                text = response.text
+                if self.kind == "text_completion":
+                    if first and self.echo:
+                        text = self.echo[index // self.n] + text
+                    if not text and reason is None and not (self.want_logprobs
+                                                            and response.token_ids):
+                        continue
+                    choice = {"index": index, "text": text, "logprobs": None,
+                              "finish_reason": reason, "stop_reason": stop_reason}
+                    if self.want_logprobs:
+                        choice["logprobs"] = self.serving.completion_logprobs(
+                            response, offsets[index] + len(text) - len(response.text),
+                            self.as_ids)
+                    offsets[index] += len(text)
+                else:
+                    if first:
+                        yield self._chunk(chunk_kind, [{
+                            "index": index, "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None, "finish_reason": None}])
+                    if not text and reason is None and not (self.want_logprobs
+                                                            and response.token_ids):
+                        continue
+                    choice = {"index": index, "delta": {"content": text} if text else {},
+                              "logprobs": None, "finish_reason": reason,
+                              "stop_reason": stop_reason}
+                    if self.want_logprobs:
+                        choice["logprobs"] = self.serving.chat_logprobs(response, self.as_ids)
+                yield self._chunk(chunk_kind, [choice])
+            if self.include_usage:
+                yield self._chunk(chunk_kind, [], usage=self.usage())
+        except ApiError as err:
+            yield "data: " + json.dumps(error_body(err)) + "\n\n"
+        finally:
+            self.close()
+        yield "data: [DONE]\n\n"
+
+    def _chunk(self, kind: str, choices: list[dict[str, Any]], **extra: Any) -> str:
+        chunk = {"id": self.id, "object": kind, "created": self.created, "model": self.model,
+                 "choices": choices}
+        if self.include_usage:
+            chunk["usage"] = None
+        chunk.update(extra)
+        return "data: " + json.dumps(chunk, ensure_ascii=False) + "\n\n"
+
+
+# gRPC status -> (HTTP status, OpenAI error type)
+HTTP_STATUS: dict[grpc.StatusCode, tuple[int, str]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.UNIMPLEMENTED: (400, "invalid_request_error"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
+}
+
+
+def http_status(err: ApiError) -> int:
+    """The HTTP status of an ``ApiError`` (500 for codes not in ``HTTP_STATUS``)."""
+    return HTTP_STATUS.get(err.code, (500, "server_error"))[0]
+
+
+def error_body(err: ApiError) -> dict[str, Any]:
+    """OpenAI's error object: ``{"error": {"message", "type", "param", "code"}}``."""
+    status, kind = HTTP_STATUS.get(err.code, (500, "server_error"))
+    return {"error": {"message": err.message, "type": kind, "param": err.field, "code": status}}

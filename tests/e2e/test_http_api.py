@@ -1,0 +1,325 @@
+"""The OpenAI-compatible HTTP API through the real server on the demo model, with TLS and an API key.
+
+One server for the module (the engine configuration of test_server_generate,
+so the step executables come from the shared compilation cache), started
+with ``--api-key`` and a self-signed certificate made here; clients trust
+that certificate. The official ``openai`` client (sync and async) and raw
+``httpx`` talk to it.
+
+- Completions and chat completions, streamed and not: greedy streamed deltas
+  concatenate to the non-streamed text; the tokens (``return_tokens_as_token_ids``)
+  equal the gRPC service's on the same server; ``n = 2`` returns two choices;
+  logprobs and usage have the documented shapes.
+- Both transports refuse calls without the key (401 / ``UNAUTHENTICATED``);
+  health stays open.
+- A table of bad requests: each gets its status and an error body naming the
+  parameter; afterwards the server still serves and every KV block is free.
+- 64 concurrent streamed requests all finish; 20 clients that disconnect
+  mid-stream, and 4 that give up waiting for a whole response, free every block.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import ipaddress
+import json
+import pathlib
+import ssl
+
+import grpc
+import httpx
+import openai
+import pytest
+
+from jaxserve.client import Client, JaxServeError
+from jaxserve.procutil import free_port
+from tests.e2e.helpers import serve, wait_all_blocks_free
+
+pytestmark = pytest.mark.slow
+
+ENGINE = dict(max_num_seqs=64, max_num_batched_tokens=256, num_kv_blocks=512,
+              max_model_len=1024)
+API_KEY = "test-key-1234"
+MODEL = "smol"
+PROMPT = "The history of the printing press"
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def _self_signed(folder: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
+    """A certificate for localhost / 127.0.0.1 and its key (PEM files)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(hours=1))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([
+                x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                critical=False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, hashes.SHA256()))
+    cert_path, key_path = folder / "cert.pem", folder / "key.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                           serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return cert_path, key_path
+
+
+@pytest.fixture(scope="module")
+def server(demo_model_dir, tmp_path_factory):
+    cert, key = _self_signed(tmp_path_factory.mktemp("tls"))
+    flags = tuple(x for k, v in ENGINE.items() for x in ("--" + k.replace("_", "-"), str(v)))
+    with serve(demo_model_dir, flags, http_port=free_port(), served_model_name=MODEL,
+               api_key=API_KEY, ssl_certfile=str(cert), ssl_keyfile=str(key)) as launcher:
+        launcher.cert = cert
+        launcher.tls = ssl.create_default_context(cafile=str(cert))
+        launcher.base_url = f"https://localhost:{launcher.options.http_port}"
+        yield launcher
+
+
+@pytest.fixture(scope="module")
+def grpc_client(server):
+    address = f"localhost:{server.options.port}"
+    with Client(address, timeout=300, api_key=API_KEY,
+                root_certificates=server.cert.read_bytes()) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.base_url, verify=server.tls, timeout=300,
+                      headers={"Authorization": f"Bearer {API_KEY}"}) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def oai(server):
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key=API_KEY,
+                           http_client=httpx.Client(verify=server.tls, timeout=300))
+    yield client
+    client.close()
+
+
+def _token_ids(entries) -> list[int]:
+    return [int(e.removeprefix("token_id:")) for e in entries]
+
+
+# ------------------------------------------------------------ the happy path
+def test_models_health_tokenize_detokenize(server, http):
+    assert httpx.get(server.base_url + "/health", verify=server.tls).status_code == 200
+    models = http.get("/v1/models").json()
+    assert [m["id"] for m in models["data"]] == [MODEL]
+    assert models["data"][0]["max_model_len"] == ENGINE["max_model_len"]
+    tokens = http.post("/tokenize", json={"prompt": PROMPT}).json()
+    assert tokens["count"] == len(tokens["tokens"]) > 3
+    assert http.post("/detokenize", json={"tokens": tokens["tokens"]}).json()["prompt"] == PROMPT
+    chat = http.post("/tokenize", json={"messages": CHAT}).json()
+    assert chat["count"] > tokens["count"]
+
+
+def test_completions_whole_and_streamed_match_grpc(oai, grpc_client):
+    whole = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0,
+                                   logprobs=2, extra_body={"return_tokens_as_token_ids": True})
+    (choice,) = whole.choices
+    ids = _token_ids(choice.logprobs.tokens)
+    assert len(ids) == whole.usage.completion_tokens == 16 and choice.finish_reason == "length"
+    assert len(choice.logprobs.token_logprobs) == len(choice.logprobs.top_logprobs) == 16
+    assert all(len(top) == 2 for top in choice.logprobs.top_logprobs)
+    # Greedy: the sampled token is the most likely one.
+    assert all(abs(lp - max(top.values())) < 1e-4
+               for lp, top in zip(choice.logprobs.token_logprobs, choice.logprobs.top_logprobs))
+    via_grpc = grpc_client.generate(PROMPT, max_tokens=16, temperature=0)
+    assert ids == list(via_grpc.token_ids)
+    assert choice.text == via_grpc.text
+    chunks = list(oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16,
+                                         temperature=0, stream=True,
+                                         stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_chat_whole_streamed_n2_and_logprobs(oai, grpc_client):
+    whole = oai.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=24,
+                                        temperature=0, logprobs=True, top_logprobs=3)
+    (choice,) = whole.choices
+    assert "Paris" in choice.message.content and choice.message.role == "assistant"
+    content = choice.logprobs.content
+    assert len(content) == whole.usage.completion_tokens
+    assert all(len(c.top_logprobs) == 3 and c.bytes == list(c.token.encode()) for c in content)
+    assert choice.message.content == grpc_client.chat(CHAT, max_tokens=24, temperature=0).text
+    stream = oai.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=24,
+                                         temperature=0, stream=True)
+    deltas = [c.choices[0].delta for c in stream]
+    assert deltas[0].role == "assistant"
+    assert "".join(d.content or "" for d in deltas) == choice.message.content
+    two = oai.chat.completions.create(model=MODEL, messages=CHAT, max_completion_tokens=8,
+                                      temperature=1.0, seed=7, n=2)
+    assert sorted(c.index for c in two.choices) == [0, 1]
+    assert 2 <= two.usage.completion_tokens <= 16
+    assert all(c.finish_reason in ("length", "stop") for c in two.choices)
+
+
+def test_completion_batch_prompts_and_echo(oai):
+    batch = oai.completions.create(model=MODEL, prompt=[PROMPT, "Once upon a time"],
+                                   max_tokens=4, temperature=0, n=2)
+    assert sorted(c.index for c in batch.choices) == [0, 1, 2, 3]
+    by_index = {c.index: c.text for c in batch.choices}
+    assert by_index[0] == by_index[1] and by_index[2] == by_index[3]  # greedy: n equal samples
+    assert batch.usage.completion_tokens == 16
+    echoed = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0,
+                                    echo=True)
+    assert echoed.choices[0].text == PROMPT + by_index[0]
+
+
+# ---------------------------------------------------------------- security
+def test_api_key_is_required_on_both_transports(server, grpc_client):
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        reply = httpx.post(server.base_url + "/v1/completions", verify=server.tls,
+                           headers=headers, json={"prompt": "x", "max_tokens": 1})
+        assert reply.status_code == 401
+        assert reply.json()["error"]["type"] == "authentication_error"
+    address = f"localhost:{server.options.port}"
+    with Client(address, timeout=60, root_certificates=server.cert.read_bytes()) as keyless:
+        assert keyless.health("jaxserve.GenerateService") == "SERVING"  # health stays open
+        with pytest.raises(JaxServeError) as err:
+            keyless.generate("x", max_tokens=1)
+        assert err.value.code == grpc.StatusCode.UNAUTHENTICATED
+    with Client(address, timeout=60, api_key="wrong",
+                root_certificates=server.cert.read_bytes()) as wrong:
+        with pytest.raises(JaxServeError) as err:
+            wrong.generate("x", max_tokens=1)
+        assert err.value.code == grpc.StatusCode.UNAUTHENTICATED
+    assert grpc_client.generate("x", max_tokens=1).usage.completion_tokens == 1
+
+
+# ------------------------------------------------------------ bad requests
+LONG = list(range(10, 10 + ENGINE["max_model_len"] + 8))
+BAD_REQUESTS = [
+    # (endpoint, body, status, param)
+    ("completions", "{not json", 400, None),
+    ("completions", {"max_tokens": 4}, 400, "prompt"),
+    ("completions", {"prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    ("completions", {"prompt": "x", "top_p": 7}, 400, "top_p"),
+    ("completions", {"prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
+    ("completions", {"prompt": "x", "max_tokens": 5000}, 400, "max_tokens"),
+    ("completions", {"prompt": "x", "n": 0}, 400, "n"),
+    ("completions", {"prompt": "x", "model": "gpt-4"}, 404, "model"),
+    ("completions", {"prompt": "x", "foo": 1}, 400, "foo"),
+    ("completions", {"prompt": "x", "best_of": 3}, 400, "best_of"),
+    ("completions", {"prompt": "x", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
+    ("completions", {"prompt": "x", "logit_bias": {"999999": 1}}, 400, "logit_bias"),
+    ("completions", {"prompt": LONG}, 400, "prompt"),
+    ("completions", {"prompt": [5, 10 ** 6]}, 400, "prompt"),
+    ("completions", {"prompt": ""}, 400, "prompt"),
+    ("completions", {"prompt": "x", "stop_token_ids": [-5]}, 400, "stop_token_ids"),
+    ("completions", {"prompt": "x", "echo": True, "logprobs": 1}, 400, "echo"),
+    ("completions", {"prompt": "x", "seed": "x"}, 400, "seed"),
+    ("completions", {"prompt": "x", "frequency_penalty": 5}, 400, "frequency_penalty"),
+    ("completions", {"prompt": "x", "suffix": "y"}, 400, "suffix"),
+    ("chat/completions", {"messages": []}, 400, "messages"),
+    ("chat/completions", {"messages": [{"content": "hi"}]}, 400, "messages[0].role"),
+    ("chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, 400,
+     "messages[0].content[0]"),
+    ("chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {
+        "name": "f"}}]}, 400, "tools"),
+    ("chat/completions", {"messages": CHAT, "response_format": {"type": "json_schema"}}, 400,
+     "response_format"),
+    ("chat/completions", {"messages": CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
+    ("chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 50}, 400,
+     "top_logprobs"),
+    ("chat/completions", {"messages": CHAT, "max_tokens": 4, "max_completion_tokens": 4}, 400,
+     "max_completion_tokens"),
+    ("chat/completions", {"messages": CHAT, "max_completion_tokens": 5000}, 400,
+     "max_completion_tokens"),
+]
+
+
+@pytest.mark.parametrize("endpoint,body,status,param", BAD_REQUESTS,
+                         ids=[f"{i}-{b[3]}" for i, b in enumerate(BAD_REQUESTS)])
+def test_bad_request_names_the_parameter(http, endpoint, body, status, param):
+    if isinstance(body, str):
+        reply = http.post(f"/v1/{endpoint}", content=body,
+                          headers={"Content-Type": "application/json"})
+    else:
+        reply = http.post(f"/v1/{endpoint}", json=body)
+    assert reply.status_code == status, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == param and error["code"] == status
+    assert error["message"] and error["type"]
+    if param is not None:
+        assert error["message"].startswith(param)
+
+
+def test_still_serving_after_bad_requests_and_no_block_leaked(oai, grpc_client):
+    reply = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0)
+    assert reply.usage.completion_tokens == 2
+    free, total = wait_all_blocks_free(grpc_client)
+    assert free == total
+
+
+# ------------------------------------------------------------- concurrency
+def test_64_concurrent_streams_finish(server):
+    async def one(client: openai.AsyncOpenAI, i: int) -> tuple[str, str | None]:
+        stream = await client.completions.create(model=MODEL, prompt=f"{i} plus {i} is",
+                                                 max_tokens=8, temperature=0, stream=True)
+        text, reason = "", None
+        async for chunk in stream:
+            text += chunk.choices[0].text
+            reason = chunk.choices[0].finish_reason or reason
+        return text, reason
+
+    async def run() -> list[tuple[str, str | None]]:
+        async with openai.AsyncOpenAI(
+                base_url=server.base_url + "/v1", api_key=API_KEY, max_retries=0,
+                http_client=httpx.AsyncClient(verify=server.tls, timeout=300,
+                                              limits=httpx.Limits(max_connections=64))) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(64)))
+
+    results = asyncio.run(run())
+    assert len(results) == 64
+    assert all(reason in ("length", "stop") and text for text, reason in results)
+
+
+def test_disconnected_clients_free_their_blocks(server, grpc_client):
+    async def leave_mid_stream(client: httpx.AsyncClient, i: int) -> int:
+        body = {"prompt": f"Story number {i}:", "max_tokens": 400, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        received = 0
+        async with client.stream("POST", "/v1/completions", json=body) as reply:
+            assert reply.status_code == 200
+            async for line in reply.aiter_lines():
+                if line.startswith("data: {"):
+                    json.loads(line.removeprefix("data: "))
+                    received += 1
+                    if received == 3:
+                        break  # leaving the block closes the connection
+        return received
+
+    async def give_up_waiting(client: httpx.AsyncClient, i: int) -> None:
+        body = {"prompt": f"Essay number {i}:", "max_tokens": 400, "temperature": 0,
+                "ignore_eos": True}
+        with pytest.raises(httpx.ReadTimeout):
+            await client.post("/v1/completions", json=body, timeout=3.0)
+
+    async def run() -> list[int]:
+        async with httpx.AsyncClient(base_url=server.base_url, verify=server.tls,
+                                     timeout=300,
+                                     headers={"Authorization": f"Bearer {API_KEY}"}) as client:
+            streamed = asyncio.gather(*(leave_mid_stream(client, i) for i in range(20)))
+            waited = asyncio.gather(*(give_up_waiting(client, i) for i in range(4)))
+            return (await asyncio.gather(streamed, waited))[0]
+
+    assert asyncio.run(run()) == [3] * 20
+    free, total = wait_all_blocks_free(grpc_client, timeout=60)
+    assert free == total
