@@ -7,7 +7,7 @@ waiting queue of 4 sequences, so at most 8 are in flight.
 - 30 bad requests, each answered with its documented status and a message
   naming the field; afterwards the server answers a good request and every
   KV block is free.
-- A duplicate running request id, a full queue (RESOURCE_EXHAUSTED) and a
+- A duplicate running request id, a full queue (RESOURCE_EXHAUSTED; HTTP 429) and a
   passed deadline (DEADLINE_EXCEEDED) — the cut requests' blocks come back.
 - Health (SERVING for "" and the service, NOT_FOUND for others), server
   reflection listing the services, GetModelInfo / Tokenize against the
@@ -22,6 +22,7 @@ from concurrent import futures
 import urllib.request
 
 import grpc
+import httpx
 import pytest
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import \
     ProtoReflectionDescriptorDatabase
@@ -49,7 +50,7 @@ INVALID = grpc.StatusCode.INVALID_ARGUMENT
 def server(demo_model_dir):
     metrics_port = free_port()
     with serve(demo_model_dir, max_waiting_requests=MAX_WAITING,
-               metrics_port=metrics_port) as launcher:
+               metrics_port=metrics_port, http_port=free_port()) as launcher:
         launcher.metrics_port = metrics_port
         yield launcher
 
@@ -207,6 +208,10 @@ def test_full_queue_is_resource_exhausted_and_cancelled_calls_free_blocks(server
             client.generate("One more", max_tokens=2)
         assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "queue is full" in err.value.message
+        reply = httpx.post(f"http://127.0.0.1:{server.options.http_port}/v1/completions",
+                           json={"prompt": "One more", "max_tokens": 2}, timeout=60)
+        assert reply.status_code == 429, reply.text
+        assert "queue is full" in reply.json()["error"]["message"]
     finally:
         for call in calls:
             call.cancel()

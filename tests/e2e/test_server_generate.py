@@ -7,7 +7,8 @@ same engine configuration (its greedy token ids) and the tokenizer's own
 
 - A streamed chat answer is coherent; its deltas concatenate to the
   non-streamed text, which is the tokenizer's decode of the token ids.
-- Greedy tokens through gRPC equal ``LLM.generate``'s, prompt by prompt.
+- Greedy tokens through gRPC, and through the OpenAI HTTP API, equal
+  ``LLM.generate``'s, prompt by prompt.
 - Stop strings that span three tokens or start inside one, with and without
   ``include_stop_str_in_output``, and emoji / CJK characters split across
   tokens (streamed, and as a stop string) give exactly the LLM's decoded
@@ -25,12 +26,14 @@ import time
 from collections.abc import Callable
 
 import grpc
+import httpx
 import pytest
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.client import AsyncClient, Client
 from jaxserve.client.types import build_generate_request
 from jaxserve.proto import generate_pb2_grpc as pb_grpc
+from jaxserve.procutil import free_port
 from tests.e2e.helpers import serve, wait_all_blocks_free
 
 pytestmark = pytest.mark.slow
@@ -49,7 +52,7 @@ CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 @pytest.fixture(scope="module")
 def server(demo_model_dir):
     flags = tuple(x for k, v in ENGINE.items() for x in ("--" + k.replace("_", "-"), str(v)))
-    with serve(demo_model_dir, flags) as launcher:
+    with serve(demo_model_dir, flags, http_port=free_port()) as launcher:
         yield launcher
 
 
@@ -112,6 +115,22 @@ def test_greedy_tokens_match_the_offline_llm(server, llm, tokenizer):
     assert [list(r.token_ids) for r in results] == want
     assert [r.text for r in results] == [tokenizer.decode(w, skip_special_tokens=True)
                                          for w in want]
+
+
+def test_greedy_tokens_over_http_match_grpc_and_the_offline_llm(server, client, llm, tokenizer):
+    """One implementation, two transports: the OpenAI API's tokens are the gRPC service's."""
+    want = _llm_ids(llm, PROMPTS[:4], NEW_TOKENS)
+    base = f"http://127.0.0.1:{server.options.http_port}/v1"
+    with httpx.Client(base_url=base, timeout=300) as http:
+        for prompt, ids in zip(PROMPTS[:4], want):
+            reply = http.post("/completions", json={
+                "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0, "logprobs": 0,
+                "return_tokens_as_token_ids": True}).json()
+            (choice,) = reply["choices"]
+            assert [int(t.removeprefix("token_id:")) for t in choice["logprobs"]["tokens"]] == ids
+            assert choice["text"] == tokenizer.decode(ids, skip_special_tokens=True)
+            assert list(client.generate(prompt, max_tokens=NEW_TOKENS,
+                                        temperature=0.0).token_ids) == ids
 
 
 def _offsets(tokenizer, ids: list[int]) -> list[int]:

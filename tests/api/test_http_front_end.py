@@ -1,0 +1,83 @@
+"""The HTTP front end before the engine is ready, and its request checks (no server process).
+
+Starlette's test client drives the real FastAPI app: until the api process
+attaches its request runner every endpoint answers 503 in OpenAI's error
+shape; the API key is checked before anything else (``/health`` open);
+bodies that are not JSON, of the wrong type or with unknown fields are 400s
+naming the parameter, before any engine is involved.
+"""
+
+from __future__ import annotations
+
+import pytest
+from fastapi.testclient import TestClient
+
+from jaxserve.api.openai.app import HttpFrontEnd, _param
+
+KEY = "k-123"
+
+
+@pytest.fixture
+def client():
+    with TestClient(HttpFrontEnd(api_key=KEY).app) as c:
+        yield c
+
+
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+def _error(reply, status):
+    assert reply.status_code == status, reply.text
+    error = reply.json()["error"]
+    assert error["code"] == status and error["message"]
+    return error
+
+
+def test_every_endpoint_is_503_until_the_engine_is_ready(client):
+    assert "starting" in _error(client.get("/health"), 503)["message"]
+    for path in ("/v1/models",):
+        _error(client.get(path, headers=AUTH), 503)
+    for path, body in (("/v1/completions", {"prompt": "x"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+                       ("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [1]})):
+        error = _error(client.post(path, json=body, headers=AUTH), 503)
+        assert error["type"] == "service_unavailable_error"
+
+
+def test_api_key_comes_first_and_health_stays_open(client):
+    for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": KEY}):
+        error = _error(client.post("/v1/completions", json={"prompt": "x"}, headers=headers), 401)
+        assert error["type"] == "authentication_error"
+    _error(client.get("/v1/models"), 401)
+    _error(client.get("/health"), 503)  # no key needed: the answer is "starting", not 401
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"prompt": "x", "temperature": "hot"}, "temperature"),
+    ({"prompt": "x", "foo": 1}, "foo"),
+    ({"prompt": {"a": 1}}, "prompt"),
+    ({"prompt": "x", "stream_options": {"include_usage": "maybe"}}, "stream_options.include_usage"),
+    ({}, "prompt"),
+])
+def test_malformed_bodies_name_the_parameter(client, body, param):
+    error = _error(client.post("/v1/completions", json=body, headers=AUTH), 400)
+    assert error["param"] == param and error["message"].startswith(param)
+
+
+def test_body_that_is_not_json(client):
+    error = _error(client.post("/v1/completions", content=b"{nope", headers={
+        **AUTH, "Content-Type": "application/json"}), 400)
+    assert error["param"] is None and "JSON" in error["message"]
+
+
+def test_unknown_path_is_404_in_openai_shape(client):
+    assert _error(client.get("/v1/nothing", headers=AUTH), 404)["type"] == "not_found_error"
+
+
+@pytest.mark.parametrize("loc,param", [
+    (("body", "messages", 0, "content"), "messages[0].content"),
+    (("body", "prompt", "list[int]", 3), "prompt[3]"),
+    (("body",), None),
+])
+def test_param_paths(loc, param):
+    assert _param(loc) == param
