@@ -1,7 +1,11 @@
-"""An asyncio load generator for a jaxserve server (``jaxserve.client.AsyncClient``).
+"""An asyncio load generator for a jaxserve server, over gRPC or the OpenAI HTTP API.
 
 ``run_load`` sends a workload's requests as token-id prompts (greedy,
-``ignore_eos``, streaming) with Poisson arrivals at ``request_rate``
+``ignore_eos``, streaming) — through ``jaxserve.client.AsyncClient``
+(``backend="grpc"``, target ``host:port``) or as streamed
+``POST /v1/completions`` (``backend="openai"``, target a base URL such as
+``http://host:8000``; any OpenAI-compatible server, vLLM's included) — with
+Poisson arrivals at ``request_rate``
 requests/s (``inf``: all at once), at most ``max_concurrency`` in flight,
 and records for each request the send time and the arrival time of every
 streamed chunk that carries tokens. ``summarize`` turns the records into
@@ -14,15 +18,21 @@ vLLM's serving metrics (benchmarks/benchmark_serving.py's definitions):
 - e2e latency: send → last response;
 - throughput: completed requests and tokens over the run's duration
   (first send → last completion).
+
+Over HTTP a chunk carries text, not token ids: each content chunk counts as
+one token, and the last chunk takes the remainder of the final ``usage``
+(``stream_options.include_usage``), so the token totals are exact and a
+multi-token chunk is one ITL gap, as over gRPC.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -98,35 +108,82 @@ async def _one(client, prompt: Sequence[int], max_tokens: int, timeout: float) -
     return RequestRecord(len(prompt), max_tokens, send, tuple(chunks), end, error)
 
 
+async def _one_http(client, prompt: Sequence[int], max_tokens: int, timeout: float,
+                    model: str | None) -> RequestRecord:
+    import json
+
+    import httpx
+
+    chunks: list[tuple[float, int]] = []
+    send = time.perf_counter()
+    error, usage = None, None
+    body = {"prompt": list(prompt), "max_tokens": max_tokens, "temperature": 0.0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    if model:
+        body["model"] = model
+    try:
+        async with client.stream("POST", "/v1/completions", json=body, timeout=timeout) as reply:
+            if reply.status_code != 200:
+                error = f"HTTP {reply.status_code}: {(await reply.aread()).decode()[:200]}"
+            else:
+                async for line in reply.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line.removeprefix("data: "))
+                    if chunk.get("error"):
+                        error = chunk["error"].get("message", "error")
+                    if chunk.get("usage"):
+                        usage = chunk["usage"]
+                    if any(c.get("text") for c in chunk.get("choices", ())):
+                        chunks.append((time.perf_counter(), 1))
+    except httpx.HTTPError as err:
+        error = f"{type(err).__name__}: {err}"
+    end = time.perf_counter()
+    if error is None and usage is not None and chunks:
+        last_time, _ = chunks[-1]
+        chunks[-1] = (last_time, usage["completion_tokens"] - (len(chunks) - 1))
+    if error is None and sum(n for _, n in chunks) != max_tokens:
+        error = f"got {sum(n for _, n in chunks)} tokens, asked for {max_tokens}"
+    return RequestRecord(len(prompt), max_tokens, send, tuple(chunks), end, error)
+
+
 async def run_load(target: str, workload: Workload, *, request_rate: float = math.inf,
                    max_concurrency: int | None = None, seed: int = 0, timeout: float = 600.0,
-                   progress: Any = None) -> tuple[list[RequestRecord], float]:
+                   progress: Any = None, backend: str = "grpc",
+                   model: str | None = None) -> tuple[list[RequestRecord], float]:
     """Sends the workload to ``target``; returns (records in workload order, duration in s).
 
     Args:
+      target: ``host:port`` (gRPC) or a base URL (``openai``).
+      backend: ``"grpc"`` or ``"openai"`` (see the module docstring).
+      model: the ``model`` field of HTTP requests (None: the server's default).
       request_rate: mean requests/s of the Poisson arrivals; ``inf`` sends all at once.
       max_concurrency: most requests in flight (None: unlimited).
       timeout: per-request deadline in seconds.
       progress: a tqdm bar (or anything with ``update(n)``), advanced per finished request.
     """
-    from jaxserve.client import AsyncClient
-
+    if backend not in ("grpc", "openai"):
+        raise ValueError(f"backend must be 'grpc' or 'openai', got {backend!r}")
     offsets = arrival_offsets(len(workload), request_rate, seed)
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-    async with AsyncClient(target) as client:
-        await client.wait_ready(timeout=60)
+    async with _client(target, backend) as client:
         start = time.perf_counter()
+
+        async def one(i: int) -> RequestRecord:
+            if backend == "grpc":
+                return await _one(client, workload.prompts[i], workload.output_lens[i], timeout)
+            return await _one_http(client, workload.prompts[i], workload.output_lens[i],
+                                   timeout, model)
 
         async def send(i: int) -> RequestRecord:
             delay = start + offsets[i] - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
             if limit is None:
-                record = await _one(client, workload.prompts[i], workload.output_lens[i], timeout)
+                record = await one(i)
             else:
                 async with limit:
-                    record = await _one(client, workload.prompts[i], workload.output_lens[i],
-                                        timeout)
+                    record = await one(i)
             if progress is not None:
                 progress.update(1)
             return record
@@ -134,6 +191,23 @@ async def run_load(target: str, workload: Workload, *, request_rate: float = mat
         records = await asyncio.gather(*(send(i) for i in range(len(workload))))
     finish = max((r.end for r in records), default=start)
     return list(records), finish - start
+
+
+@contextlib.asynccontextmanager
+async def _client(target: str, backend: str) -> AsyncIterator[Any]:
+    """A ready ``AsyncClient`` (gRPC) or an ``httpx.AsyncClient`` on the base URL."""
+    if backend == "grpc":
+        from jaxserve.client import AsyncClient
+
+        async with AsyncClient(target) as client:
+            await client.wait_ready(timeout=60)
+            yield client
+        return
+    import httpx
+
+    async with httpx.AsyncClient(base_url=target, timeout=None,
+                                 limits=httpx.Limits(max_connections=None)) as client:
+        yield client
 
 
 def summarize(records: Sequence[RequestRecord], duration: float) -> dict[str, Any]:

@@ -36,9 +36,12 @@ class ServerProcess:
 
         self.port = free_port(host)
         self.target = f"{host}:{self.port}"
+        self.http_port = free_port(host)
+        self.base_url = f"http://{host}:{self.http_port}"  # the OpenAI-compatible HTTP API
         self.log_path = pathlib.Path(log_path)
         self.cmd = [sys.executable, "-m", "jaxserve", "serve", "--host", host,
-                    "--port", str(self.port), "--metrics-port", "0", *serve_args]
+                    "--port", str(self.port), "--http-port", str(self.http_port),
+                    "--metrics-port", "0", *serve_args]
         self.proc: subprocess.Popen | None = None
         self.ready_seconds: float | None = None
 

@@ -1,7 +1,13 @@
 """Serving benchmark: TTFT, TPOT, ITL, e2e latency and throughput of a running server.
 
 Run: ``jaxserve bench serving [--server HOST:PORT] [--request-rate R]
-[--concurrency 1 4 16]`` (or ``python -m benchmarks.serving``).
+[--concurrency 1 4 16] [--backend grpc|openai [--base-url URL --vocab-size V]]``
+(or ``python -m benchmarks.serving``).
+
+``--backend openai`` drives the OpenAI-compatible HTTP API (streamed
+``/v1/completions``) instead of gRPC: of the server started here, or of any
+OpenAI-compatible server at ``--base-url`` (vLLM's too; then give
+``--vocab-size``, or ``--server`` for a jaxserve gRPC port to read it from).
 
 Without ``--server`` it starts ``jaxserve serve`` on a free loopback port
 (``--serve-args`` passes flags through; the server log goes to
@@ -56,6 +62,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="concurrency levels to sweep (default 1 4 16)")
     parser.add_argument("--no-max", action="store_true", help="skip the all-at-once scenario")
     parser.add_argument("--timeout", type=float, default=600.0, help="per-request deadline (s)")
+    parser.add_argument("--backend", choices=("grpc", "openai"), default="grpc",
+                        help="gRPC GenerateService, or the OpenAI HTTP API (default grpc)")
+    parser.add_argument("--base-url", default=None, metavar="URL",
+                        help="openai backend: a running OpenAI-compatible server "
+                             "(http://host:8000)")
+    parser.add_argument("--served-model", default=None,
+                        help="openai backend: the `model` field (default: the server's)")
+    parser.add_argument("--vocab-size", type=int, default=None,
+                        help="token ids of the random prompts are below this (default: the "
+                             "served model's, read over gRPC)")
 
 
 def scenarios(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -78,9 +94,11 @@ async def _run_scenarios(target: str, args: argparse.Namespace, vocab: int) -> l
     from tqdm.auto import tqdm
 
     results = []
+    transport = dict(backend=args.backend, model=args.served_model)
     warm = sharegpt_like(4, vocab, seed=args.seed + 999, input_range=(16, 64),
                          output_range=(4, 8))
-    await load_generator.run_load(target, warm, timeout=args.timeout)  # first-call overheads
+    await load_generator.run_load(target, warm, timeout=args.timeout,  # first-call overheads
+                                  **transport)
     for k, sc in enumerate(scenarios(args)):
         workload = sharegpt_like(sc["num_requests"], vocab, seed=args.seed + k,
                                  input_range=tuple(args.input_range),
@@ -90,7 +108,7 @@ async def _run_scenarios(target: str, args: argparse.Namespace, vocab: int) -> l
             records, duration = await load_generator.run_load(
                 target, workload, request_rate=sc["request_rate"],
                 max_concurrency=sc["max_concurrency"], seed=args.seed + k,
-                timeout=args.timeout, progress=bar)
+                timeout=args.timeout, progress=bar, **transport)
         summary = load_generator.summarize(records, duration)
         logger.info("%s: %.1f output tok/s, TTFT p50 %.0f ms, TPOT p50 %.1f ms", sc["name"],
                     summary["output_throughput"], summary["ttft_ms"]["p50"],
@@ -120,13 +138,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         serve_args = args.serve_args.split()
         if args.model:
             serve_args = ["--model", args.model, *serve_args]
-        server = ServerProcess(serve_args, pathlib.Path(args.results) / f"{NAME}_server.log")
-        server.start()
-        target = server.target
+        if args.base_url is None:
+            server = ServerProcess(serve_args,
+                                   pathlib.Path(args.results) / f"{NAME}_server.log")
+            server.start()
+        grpc_target = None if server is None else server.target
     else:
-        target = args.server
+        grpc_target = args.server
+    if args.backend == "openai":
+        target = args.base_url or server.base_url
+    else:
+        target = grpc_target
     try:
-        vocab = _model_vocab(target)
+        if args.vocab_size is not None:
+            vocab = args.vocab_size
+        elif grpc_target is not None:
+            vocab = _model_vocab(grpc_target)
+        else:
+            raise SystemExit("--base-url without --server: give --vocab-size")
         results = asyncio.run(_run_scenarios(target, args, vocab))
     finally:
         if server is not None:
@@ -152,7 +181,8 @@ def make_plots(result: dict[str, Any], results_dir: pathlib.Path) -> list[str]:
 
 
 def report(result: dict[str, Any]) -> str:
-    lines = [f"serving benchmark against {result['server']['target']}:",
+    lines = [f"serving benchmark against {result['server']['target']} "
+             f"({result['args'].get('backend', 'grpc')}):",
              f"  {'scenario':18s} {'req':>4s} {'fail':>4s} {'out tok/s':>9s} {'req/s':>6s} "
              + "".join(f"{m + ' p50/p90/p99 (ms)':>26s}" for m in ("TTFT", "TPOT", "ITL", "e2e"))
              + "  load avg"]

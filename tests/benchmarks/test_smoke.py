@@ -101,6 +101,19 @@ def test_serving_against_jaxserve_serve(tiny_model_dir, tmp_path):
     assert (tmp_path / "serving_latency_cdf.png").exists() or not HAVE_MATPLOTLIB
 
 
+def test_serving_over_the_openai_http_api(tiny_model_dir, tmp_path):
+    """The load generator's HTTP mode: streamed /v1/completions, exact token totals from usage."""
+    out = run_bench("serving", tmp_path, "--model", str(tiny_model_dir), "--num-requests", "4",
+                    "--input-range", "8", "40", "--output-range", "4", "8", "--request-rate", "0",
+                    "--no-max", "--concurrency", "2", "--backend", "openai",
+                    "--serve-args", " ".join(ENGINE))
+    (scenario,) = out["scenarios"]
+    m = scenario["summary"]
+    assert m["failed"] == 0 and m["completed"] == scenario["num_requests"]
+    assert m["output_tokens"] == scenario["workload"]["output_tokens"]
+    assert out["args"]["backend"] == "openai" and out["server"]["target"].startswith("http://")
+
+
 def test_llama8b_decode_narrowed(tmp_path):
     """The GPU benchmark's code path on the CPU: 2 layers, widths / 8, reference attention.
 

@@ -106,7 +106,7 @@ def _wait_serving(proc: subprocess.Popen, address: str) -> list[int]:
 def test_serve_stops_cleanly_on_a_signal(demo_model_dir, sig):
     port, metrics_port = free_port(), free_port()
     proc = _start_cli(demo_model_dir, "serve", "--port", str(port), "--metrics-port",
-                      str(metrics_port))
+                      str(metrics_port), "--http-port", str(free_port()))
     try:
         children = _wait_serving(proc, f"127.0.0.1:{port}")
         deltas: list = []
@@ -139,7 +139,8 @@ def test_serve_stops_cleanly_on_a_signal(demo_model_dir, sig):
 
 def test_killed_launcher_leaves_no_orphans(demo_model_dir):
     port = free_port()
-    proc = _start_cli(demo_model_dir, "serve", "--port", str(port), "--metrics-port", "0")
+    proc = _start_cli(demo_model_dir, "serve", "--port", str(port), "--metrics-port", "0",
+                      "--no-http")
     try:
         children = _wait_serving(proc, f"127.0.0.1:{port}")
     finally:
