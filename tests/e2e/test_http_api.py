@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP API through the real server on the demo model, with TLS and an API key.
+"""The OpenAI-compatible HTTP API through the real server on the demo model, TLS and an API key.
 
 One server for the module (the engine configuration of test_server_generate,
 so the step executables come from the shared compilation cache), started

@@ -5,7 +5,8 @@ Chat Completions) and vLLM's extensions to it (``top_k``, ``min_p``,
 ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
 ``include_stop_str_in_output``, ``skip_special_tokens``,
 ``spaces_between_special_tokens``, ``add_generation_prompt``, ``cache_salt``,
-``request_id``, ``return_tokens_as_token_ids``), so requests written for vLLM's server work unchanged.
+``request_id``, ``return_tokens_as_token_ids``), so requests written for
+vLLM's server work unchanged.
 
 A field the request does not set stays ``None`` and takes the server's
 default (the model's generation config, else ``SamplingParams``' default).

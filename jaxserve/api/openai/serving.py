@@ -98,8 +98,8 @@ class OpenAIServing:
                 try:
                     bias[int(key)] = value
                 except ValueError:
-                    raise bad_request(self.runner, "logit_bias", f"keys must be token ids, got {key!r}") \
-                        from None
+                    raise bad_request(self.runner, "logit_bias",
+                                      f"keys must be token ids, got {key!r}") from None
             kwargs["logit_bias"] = bias
         renames = {"max_tokens": max_tokens_param, "logprobs": logprobs_param}
         with self._errors(renames):
@@ -155,8 +155,8 @@ class OpenAIServing:
                 for j, part in enumerate(content):
                     if part.get("type") != "text" or not isinstance(part.get("text"), str):
                         raise bad_request(self.runner, f"messages[{i}].content[{j}]",
-                                          "only text parts ({\"type\": \"text\", \"text\": ...}) "
-                                          "are supported")
+                                          "only text parts ({\"type\": \"text\", \"text\": "
+                                          "...}) are supported")
                     parts.append(part["text"])
                 content = "".join(parts)
             messages.append(pb.ChatMessage(role=message.role, content=content or ""))
@@ -164,8 +164,15 @@ class OpenAIServing:
         with self._errors({}):
             return self.runner.preparer.encode_chat(chat, field="messages")[1]
 
-    async def _start(self, prepared: list[PreparedRequest], body: SamplingFields,
-                     request_id: str) -> list[RunningRequest]:
+    def _admissible(self, body: SamplingFields) -> None:
+        """Serving, and the body names the served model (or none)."""
+        self.runner.check_ready()
+        check_model(self.runner, body.model)
+
+    async def _run(self, kind: str, id_prefix: str, prepared: list[PreparedRequest],
+                   body: SamplingFields, echo: list[str] | None) -> "OpenAIResult":
+        """Starts one engine request per prompt (all or none) and wraps them."""
+        request_id = body.request_id or f"{id_prefix}-{uuid.uuid4().hex}"
         started: list[RunningRequest] = []
         try:
             for i, p in enumerate(prepared):
@@ -176,7 +183,10 @@ class OpenAIServing:
             for running in started:
                 running.close()
             raise
-        return started
+        return OpenAIResult(self, kind, request_id, started, prepared, echo=echo,
+                            include_usage=bool(body.stream_options
+                                               and body.stream_options.include_usage),
+                            as_ids=body.return_tokens_as_token_ids)
 
     # ---------------------------------------------------------- completions
     async def completions(self, body: CompletionRequest) -> "OpenAIResult":
@@ -185,27 +195,20 @@ class OpenAIServing:
         Raises:
           ApiError: before anything is sent (bad input, queue full, not serving).
         """
-        runner = self.runner
-        runner.check_ready()
-        check_model(runner, body.model)
+        self._admissible(body)
         if body.best_of is not None and body.best_of != (body.n or 1):
             raise bad_request(self.runner, "best_of", "only best_of == n is supported")
         if body.echo and body.logprobs is not None:
-            raise bad_request(self.runner, "echo", "echo with logprobs needs prompt logprobs, which this "
-                                      "server does not support")
+            raise bad_request(self.runner, "echo", "echo with logprobs needs prompt logprobs, "
+                                                   "which this server does not support")
         params = self._params(body, max_tokens=body.max_tokens, max_tokens_param="max_tokens",
                               logprobs=body.logprobs, logprobs_param="logprobs")
         prompts = self.completion_prompts(body)
         prepared = [self._prepare_tokens(ids, params, "prompt" if len(prompts) == 1
                                          else f"prompt[{i}]", {"max_tokens": "max_tokens"})
                     for i, (ids, _) in enumerate(prompts)]
-        request_id = body.request_id or f"cmpl-{uuid.uuid4().hex}"
-        running = await self._start(prepared, body, request_id)
-        return OpenAIResult(self, "text_completion", request_id, running, prepared,
-                            echo=[text for _, text in prompts] if body.echo else None,
-                            include_usage=bool(body.stream_options
-                                               and body.stream_options.include_usage),
-                            as_ids=body.return_tokens_as_token_ids)
+        return await self._run("text_completion", "cmpl", prepared, body,
+                               [text for _, text in prompts] if body.echo else None)
 
     async def chat_completions(self, body: ChatCompletionRequest) -> "OpenAIResult":
         """Runs ``POST /v1/chat/completions``.
@@ -213,30 +216,24 @@ class OpenAIServing:
         Raises:
           ApiError: before anything is sent (bad input, queue full, not serving).
         """
-        runner = self.runner
-        runner.check_ready()
-        check_model(runner, body.model)
+        self._admissible(body)
         if body.response_format is not None and body.response_format.get("type") != "text":
-            raise bad_request(self.runner, "response_format", "only {\"type\": \"text\"} is supported")
+            raise bad_request(self.runner, "response_format",
+                              "only {\"type\": \"text\"} is supported")
         if body.max_tokens is not None and body.max_completion_tokens is not None:
-            raise bad_request(self.runner, "max_completion_tokens", "set max_completion_tokens or "
-                                                       "max_tokens, not both")
-        max_param = "max_completion_tokens" if body.max_completion_tokens is not None \
-            else "max_tokens"
+            raise bad_request(self.runner, "max_completion_tokens",
+                              "set max_completion_tokens or max_tokens, not both")
+        max_param = ("max_completion_tokens" if body.max_completion_tokens is not None
+                     else "max_tokens")
         if body.top_logprobs is not None and not body.logprobs:
             raise bad_request(self.runner, "top_logprobs", "needs logprobs: true")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = self._params(body, max_tokens=body.max_completion_tokens or body.max_tokens,
                               max_tokens_param=max_param, logprobs=logprobs,
                               logprobs_param="top_logprobs")
-        ids = self.chat_prompt(body)
-        prepared = [self._prepare_tokens(ids, params, "messages", {"max_tokens": max_param})]
-        request_id = body.request_id or f"chatcmpl-{uuid.uuid4().hex}"
-        running = await self._start(prepared, body, request_id)
-        return OpenAIResult(self, "chat.completion", request_id, running, prepared, echo=None,
-                            include_usage=bool(body.stream_options
-                                               and body.stream_options.include_usage),
-                            as_ids=body.return_tokens_as_token_ids)
+        prepared = [self._prepare_tokens(self.chat_prompt(body), params, "messages",
+                                         {"max_tokens": max_param})]
+        return await self._run("chat.completion", "chatcmpl", prepared, body, None)
 
     # ------------------------------------------------------------ logprobs
     def token_text(self, token_id: int, as_id: bool) -> str:
