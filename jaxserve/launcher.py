@@ -71,6 +71,7 @@ class ServeOptions:
     ssl_certfile: str | None = None  # TLS for both APIs (with ssl_keyfile)
     ssl_keyfile: str | None = None
     max_waiting_requests: int = 256
+    shutdown_grace: float = 30.0  # seconds running requests get to finish at shutdown
     engine_flags: tuple[str, ...] = ()
     log_level: str = "INFO"
     in_process_worker: bool = False  # run the model inside the engine process (development)
@@ -133,6 +134,7 @@ class Launcher:
                    engine_address, "--model", model, "--host", opts.host, "--port",
                    str(opts.port), "--metrics-port", str(opts.metrics_port),
                    "--max-waiting-requests", str(opts.max_waiting_requests),
+                   "--shutdown-grace", str(opts.shutdown_grace),
                    "--log-level", opts.log_level]
         if opts.http_port:
             api_cmd += ["--http-port", str(opts.http_port)]
@@ -211,17 +213,31 @@ class Launcher:
                 time.sleep(poll_s)
 
     # ------------------------------------------------------------- shutdown
-    def shutdown(self) -> None:
-        """Stops api, engine, worker in that order (SIGTERM, then SIGKILL after a timeout)."""
+    def shutdown(self, abort: threading.Event | None = None) -> None:
+        """Stops api, engine, worker in that order (SIGTERM, then SIGKILL after a timeout).
+
+        The api first drains: running requests get up to ``shutdown_grace``
+        seconds to finish. Setting ``abort`` meanwhile (a second Ctrl-C) sends
+        the api a second SIGTERM, which ends them at once.
+        """
         for name in ("api", "engine", "worker"):
             proc = self.processes.get(name)
             if proc is None or proc.poll() is not None:
                 continue
             proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(_STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                logger.warning("%s did not stop within %.0f s; killing it", name, _STOP_TIMEOUT_S)
+            limit = _STOP_TIMEOUT_S + (self.options.shutdown_grace if name == "api" else 0.0)
+            deadline = time.monotonic() + limit
+            forwarded = False
+            while proc.poll() is None and time.monotonic() < deadline:
+                if abort is not None and abort.is_set() and not forwarded:
+                    proc.send_signal(signal.SIGTERM)
+                    forwarded = True
+                try:
+                    proc.wait(0.2)
+                except subprocess.TimeoutExpired:
+                    pass
+            if proc.poll() is None:
+                logger.warning("%s did not stop within %.0f s; killing it", name, limit)
                 proc.kill()
                 proc.wait()
         if self._pgid is not None:

@@ -63,6 +63,7 @@ class StopSignal:
 
     Attributes:
       event: set once a stop signal arrived.
+      again: set once a second stop signal arrived (e.g. "abort the drain now").
       signum: the first signal received, or None.
     """
 
@@ -70,6 +71,7 @@ class StopSignal:
 
     def __init__(self, event: threading.Event | None = None) -> None:
         self.event = event if event is not None else threading.Event()
+        self.again = threading.Event()
         self.signum: int | None = None
         read_fd, write_fd = os.pipe()
         os.set_blocking(write_fd, False)
@@ -88,6 +90,8 @@ class StopSignal:
                 if signum in self.SIGNALS:
                     if self.signum is None:
                         self.signum = signum
+                    elif self.event.is_set():
+                        self.again.set()
                     self.event.set()
 
     def wait(self, timeout: float | None = None) -> bool:

@@ -22,8 +22,9 @@ a ``PreparedRequest`` and ``ApiError`` codes to its own statuses. In order:
    the engine failed (``UNAVAILABLE``) — is aborted in the engine, which
    frees its KV blocks; metrics are recorded.
 
-On shutdown (``begin_shutdown``) unfinished requests get a last response with
-finish reason "abort". Every refusal is counted in
+On shutdown the api process first drains (``begin_drain``: new requests are
+refused, running ones go on), then ``begin_shutdown`` gives every unfinished
+request a last response with finish reason "abort". Every refusal is counted in
 ``jaxserve_requests_rejected_total`` by gRPC status code name.
 """
 
@@ -97,6 +98,10 @@ class RequestRunner:
     def ready(self) -> bool:
         """New requests are accepted (not shutting down, the engine serving)."""
         return not self._shutting_down and self.engine.serving
+
+    def begin_drain(self) -> None:
+        """Refuses new requests (``UNAVAILABLE``); running ones go on."""
+        self._shutting_down = True
 
     def begin_shutdown(self) -> None:
         """Refuses new requests; finishes running ones with reason "abort"."""

@@ -22,8 +22,11 @@ and HTTP requests the same header (else 401; ``/health`` stays open). With
 ``--ssl-certfile`` and ``--ssl-keyfile`` both transports use TLS.
 
 NOT_SERVING again when the engine fails or is lost (its requests fail with
-``UNAVAILABLE``). SIGINT / SIGTERM: health NOT_SERVING, running requests end
-with finish reason "abort", the server stops after a short grace period.
+``UNAVAILABLE``). SIGINT / SIGTERM drains: health NOT_SERVING, new requests
+refused (``UNAVAILABLE``, HTTP 503), running ones get up to
+``--shutdown-grace`` seconds (default 30) to finish; then what is left ends
+with finish reason "abort" and the process exits 0. A second signal aborts at
+once.
 Never imports jax.
 """
 
@@ -57,6 +60,8 @@ from jaxserve.proto import generate_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
 
+_STOP_GRACE_S = 2.0  # after the drain: for the aborted calls' last responses to go out
+
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 DEFAULT_MAX_WAITING_REQUESTS = 256
@@ -88,12 +93,16 @@ class ApiServer:
         self.runner: RequestRunner | None = None
         self.http = HttpFrontEnd(api_key=self.api_key)
         self._stopped = asyncio.Event()
+        self._abort_now = asyncio.Event()
 
     async def _set_health(self, status: int) -> None:
         for name in ("", SERVICE_NAME):
             await self.health.set(name, status)
 
     def stop(self) -> None:
+        """First call: drain (see ``_drain``); a second call: abort what is running now."""
+        if self._stopped.is_set():
+            self._abort_now.set()
         self._stopped.set()
 
     def _grpc_server(self) -> tuple[grpc.aio.Server, str]:
@@ -124,8 +133,7 @@ class ApiServer:
         if args.http_port:
             http, sock = http_server(self.http, host=args.host, port=args.http_port,
                                      ssl_certfile=args.ssl_certfile,
-                                     ssl_keyfile=args.ssl_keyfile,
-                                     shutdown_grace=args.shutdown_grace)
+                                     ssl_keyfile=args.ssl_keyfile, shutdown_grace=_STOP_GRACE_S)
             http_task = asyncio.create_task(http.serve(sockets=[sock]))
             logger.info("HTTP (OpenAI-compatible) on %s://%s:%d", "https" if args.ssl_certfile
                         else "http", args.host, args.http_port)
@@ -150,7 +158,7 @@ class ApiServer:
             if http_task is not None:
                 http.stop()
                 await http_task
-            await server.stop(grace=args.shutdown_grace)
+            await server.stop(grace=_STOP_GRACE_S)
             await self.engine.close()
             logger.info("api stopped")
 
@@ -184,10 +192,32 @@ class ApiServer:
                     self.runner.model_name, address, info.max_model_len,
                     info.num_kv_blocks - 1, info.block_size)
         await self._stopped.wait()
-        logger.info("api shutting down")
         await self._set_health(NOT_SERVING)
+        await self._drain()
         self.runner.begin_shutdown()
         refresh.cancel()
+
+    async def _drain(self) -> None:
+        """Refuses new requests and waits for the running ones, up to ``--shutdown-grace`` s.
+
+        Ends early on a second stop signal; ``begin_shutdown`` then ends what
+        is left with finish reason "abort".
+        """
+        runner, grace = self.runner, self.args.shutdown_grace
+        runner.begin_drain()
+        logger.info("api draining: %d sequences in flight, up to %.0f s (a second signal "
+                    "aborts them)", runner.num_pending_seqs, grace)
+        deadline = asyncio.get_running_loop().time() + grace
+        while (runner.num_pending_seqs and not self._abort_now.is_set()
+               and asyncio.get_running_loop().time() < deadline):
+            try:
+                await asyncio.wait_for(self._abort_now.wait(), 0.1)
+            except asyncio.TimeoutError:
+                pass
+        if runner.num_pending_seqs:
+            logger.info("api shutting down: aborting %d sequences", runner.num_pending_seqs)
+        else:
+            logger.info("api shutting down: every request finished")
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
@@ -271,8 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "get RESOURCE_EXHAUSTED")
     parser.add_argument("--engine-timeout", type=float, default=None,
                         help="seconds to wait for the engine at start-up (default: no limit)")
-    parser.add_argument("--shutdown-grace", type=float, default=2.0,
-                        help="seconds running calls get to finish at shutdown")
+    parser.add_argument("--shutdown-grace", type=float, default=30.0,
+                        help="on SIGINT / SIGTERM, seconds running requests get to finish "
+                             "before they are aborted (a second signal aborts at once)")
     parser.add_argument("--log-level", default="INFO")
     return parser
 

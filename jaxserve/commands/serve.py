@@ -26,6 +26,10 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                              "get RESOURCE_EXHAUSTED (default 256)")
     parser.add_argument("--ready-timeout", type=float, default=None,
                         help="seconds to wait for the server to start (default: no limit)")
+    parser.add_argument("--shutdown-grace", type=float, default=30.0,
+                        help="on SIGINT / SIGTERM, seconds running requests get to finish "
+                             "before they are aborted (default 30; a second signal aborts "
+                             "at once)")
     parser.add_argument("--in-process-worker", action="store_true",
                         help="run the model inside the engine process (development)")
 
@@ -63,6 +67,7 @@ def serve_options(args: argparse.Namespace, **overrides: object):
                   ssl_certfile=getattr(args, "ssl_certfile", None),
                   ssl_keyfile=getattr(args, "ssl_keyfile", None),
                   max_waiting_requests=args.max_waiting_requests,
+                  shutdown_grace=args.shutdown_grace,
                   engine_flags=tuple(engine_flags(args)), log_level=args.log_level,
                   in_process_worker=args.in_process_worker)
     values.update(overrides)
@@ -95,4 +100,4 @@ def run(args: argparse.Namespace) -> int:
         logger.error("%s", err)
         return 1
     finally:
-        launcher.shutdown()
+        launcher.shutdown(abort=stop.again)

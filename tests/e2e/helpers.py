@@ -38,7 +38,8 @@ def serve(model_dir: pathlib.Path, engine_flags: tuple[str, ...] = SMALL_ENGINE,
     launcher = Launcher(ServeOptions(
         model=str(model_dir), port=free_port(), metrics_port=metrics_port,
         max_waiting_requests=max_waiting_requests, engine_flags=engine_flags,
-        log_level=os.environ.get("JAXSERVE_TEST_SERVER_LOG_LEVEL", "WARNING"), **options))
+        log_level=os.environ.get("JAXSERVE_TEST_SERVER_LOG_LEVEL", "WARNING"),
+        **{"shutdown_grace": 5.0, **options}))
     try:
         launcher.start()
         launcher.wait_ready(READY_TIMEOUT_S)

@@ -3,9 +3,12 @@
 - The worker process dies mid-generation: the running stream fails with
   UNAVAILABLE naming the worker within 5 s, the api and the engine report
   NOT_SERVING, new requests are refused; shutdown leaves no process behind.
-- ``jaxserve serve`` stops cleanly on SIGTERM and on SIGINT with a stream in
-  flight (the stream ends with finish reason "abort"): exit status 0, no
-  process left.
+- ``jaxserve serve`` drains on SIGTERM: 8 requests in flight all finish
+  with "length", a request sent after the signal gets UNAVAILABLE (HTTP 503),
+  exit status 0, no process left.
+- With ``--shutdown-grace 0`` it stops at once on SIGTERM and on SIGINT with a
+  stream in flight (the stream ends with finish reason "abort"): exit status
+  0, no process left.
 - A SIGKILLed ``jaxserve serve`` leaves no orphans (the children die with it).
 - ``jaxserve demo`` prints a streamed answer and exits 0, leaving nothing.
 
@@ -23,10 +26,13 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from jaxserve.client import Client, JaxServeError
 from jaxserve.procutil import free_port
@@ -102,11 +108,62 @@ def _wait_serving(proc: subprocess.Popen, address: str) -> list[int]:
     raise AssertionError("the server did not start")
 
 
+def _in_flight(metrics_port: int) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
+        for family in text_string_to_metric_families(r.read().decode()):
+            if family.name == "jaxserve_num_sequences_in_flight":
+                return family.samples[0].value
+    raise AssertionError("no jaxserve_num_sequences_in_flight gauge")
+
+
+def test_sigterm_drains_running_requests(demo_model_dir):
+    port, http_port, metrics_port = free_port(), free_port(), free_port()
+    proc = _start_cli(demo_model_dir, "serve", "--port", str(port), "--metrics-port",
+                      str(metrics_port), "--http-port", str(http_port))
+    try:
+        children = _wait_serving(proc, f"127.0.0.1:{port}")
+        with Client(f"127.0.0.1:{port}", timeout=120) as client:
+            results: list = [None] * 8
+
+            def consume(i: int) -> None:
+                try:
+                    results[i] = list(client.stream(f"Count to {i}:", max_tokens=8,
+                                                    ignore_eos=True, temperature=0.0))[-1]
+                except JaxServeError as err:
+                    results[i] = err
+
+            threads = [threading.Thread(target=consume, args=(i,)) for i in range(8)]
+            for t in threads:
+                t.start()
+            deadline = time.monotonic() + 60
+            while _in_flight(metrics_port) < 8 and time.monotonic() < deadline:
+                time.sleep(0.02)  # one runs (max_num_seqs 1), seven wait
+            proc.send_signal(signal.SIGTERM)
+            while client.health() == "SERVING" and time.monotonic() < deadline:
+                time.sleep(0.05)
+            with pytest.raises(JaxServeError) as err:
+                client.generate("Too late", max_tokens=2)
+            assert err.value.code == grpc.StatusCode.UNAVAILABLE
+            with pytest.raises(urllib.error.HTTPError) as http_err:
+                urllib.request.urlopen(f"http://127.0.0.1:{http_port}/health", timeout=10)
+            assert http_err.value.code == 503
+            for t in threads:
+                t.join(120)
+        assert [getattr(r, "finish_reason", r) for r in results] == ["length"] * 8
+        assert proc.wait(60) == 0, proc.communicate()[1][-3000:]
+        assert wait_gone(children) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_serve_stops_cleanly_on_a_signal(demo_model_dir, sig):
+def test_serve_with_no_grace_aborts_on_a_signal(demo_model_dir, sig):
     port, metrics_port = free_port(), free_port()
     proc = _start_cli(demo_model_dir, "serve", "--port", str(port), "--metrics-port",
-                      str(metrics_port), "--http-port", str(free_port()))
+                      str(metrics_port), "--http-port", str(free_port()),
+                      "--shutdown-grace", "0")
     try:
         children = _wait_serving(proc, f"127.0.0.1:{port}")
         deltas: list = []
