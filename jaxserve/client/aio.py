@@ -21,7 +21,8 @@ from jaxserve.client.sync import DEFAULT_TARGET
 from jaxserve.client.types import (GenerateResult, JaxServeError, Message, ModelInfo,
                                    ResultBuilder, StreamDelta, TokenizeResult,
                                    build_generate_request, build_tokenize_request,
-                                   delta_from_proto, model_info_from_proto, num_completions)
+                                   delta_from_proto, model_info_from_proto, num_completions,
+                                   ReadyWait, with_default_port)
 from jaxserve.proto import generate_pb2 as pb
 from jaxserve.proto import generate_pb2_grpc as pb_grpc
 from jaxserve.sampling_params import SamplingParams
@@ -34,7 +35,8 @@ class AsyncClient:
                  channel: grpc.aio.Channel | None = None,
                  options: Sequence[tuple[str, Any]] | None = None) -> None:
         self._owns_channel = channel is None
-        self._channel = channel or grpc.aio.insecure_channel(target, options=options)
+        self.target = with_default_port(target)
+        self._channel = channel or grpc.aio.insecure_channel(self.target, options=options)
         self._stub = pb_grpc.GenerateServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._timeout = timeout
@@ -54,16 +56,23 @@ class AsyncClient:
         return self._timeout if timeout is None else timeout
 
     async def wait_ready(self, timeout: float | None = None) -> None:
-        """Waits until the channel is connected.
+        """Waits until health reports SERVING for GenerateService; see ``Client.wait_ready``.
 
         Raises:
-          JaxServeError: (``UNAVAILABLE``) not connected within ``timeout`` seconds.
+          JaxServeError: (``UNAVAILABLE``) not SERVING within ``timeout`` seconds;
+            any other health-check failure.
         """
-        try:
-            await asyncio.wait_for(self._channel.channel_ready(), self._deadline(timeout))
-        except asyncio.TimeoutError:
-            raise JaxServeError(grpc.StatusCode.UNAVAILABLE,
-                                f"not connected within {timeout} s") from None
+        wait = ReadyWait(self.target, self._deadline(timeout))
+        while True:
+            remaining = wait.remaining()
+            try:
+                reply = await self._health.Check(wait.request, timeout=remaining,
+                                                 wait_for_ready=True)
+                if wait.serving(reply):
+                    return
+            except grpc.aio.AioRpcError as err:
+                wait.failed(err)
+            await asyncio.sleep(wait.pause_s())
 
     async def generate(self, prompt: str | Sequence[int] | None = None, *,
                        messages: Iterable[Message] | None = None,
