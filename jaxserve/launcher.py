@@ -67,6 +67,7 @@ class ServeOptions:
     engine_flags: tuple[str, ...] = ()
     log_level: str = "INFO"
     in_process_worker: bool = False  # run the model inside the engine process (development)
+    generation_config: str = "auto"  # default sampling: auto / vllm / a directory (api process)
 
 
 def _env() -> dict[str, str]:
@@ -107,12 +108,19 @@ class Launcher:
         """Resolves the model and starts the processes (returns at once; see ``wait_ready``).
 
         Raises:
-          FileNotFoundError / DemoModelError: the model cannot be found or built.
+          FileNotFoundError / DemoModelError: the model cannot be found or built,
+            or lacks its weights or tokenizer files (``jaxserve.model_files``).
+          ValueError: its generation config holds a value ``SamplingParams``
+            rejects (``jaxserve.generation_config``).
         """
         from jaxserve.demo_model import resolve_model_path
+        from jaxserve.generation_config import load_sampling_defaults
+        from jaxserve.model_files import check_model_files
 
         opts = self.options
         model = str(resolve_model_path(opts.model))
+        check_model_files(model)  # one line now, not a traceback in a child process later
+        load_sampling_defaults(model, opts.generation_config)
         env = _env()
         worker = None
         if not opts.in_process_worker:
@@ -125,7 +133,7 @@ class Launcher:
                    engine_address, "--model", model, "--host", opts.host, "--port",
                    str(opts.port), "--metrics-port", str(opts.metrics_port),
                    "--max-waiting-requests", str(opts.max_waiting_requests),
-                   "--log-level", opts.log_level]
+                   "--generation-config", opts.generation_config, "--log-level", opts.log_level]
         if opts.model is None:
             api_cmd += ["--served-model-name", "SmolLM2-135M-Instruct"]
         self._spawn("api", api_cmd, env)  # loads its tokenizer while the worker starts

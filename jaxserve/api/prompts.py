@@ -5,6 +5,12 @@
 naming the field (``jaxserve.api.validation``), or ``Unsupported`` for a
 valid parameter this server cannot honour (gRPC ``UNIMPLEMENTED``).
 
+It is built from two steps any front end (gRPC, HTTP) uses the same way:
+``sampling_params(kwargs)`` — the request's explicit sampling fields over the
+model's defaults (``jaxserve.generation_config``), validated — and
+``validate(prompt_token_ids, params)`` — the server's limits and the checks
+against the model, ``max_tokens`` resolved.
+
 Prompts are tokenized exactly as ``jaxserve.LLM`` does: text with
 ``tokenizer.encode(text)`` (the tokenizer's own special-token rule), a chat
 rendered by the tokenizer's chat template and encoded without adding special
@@ -20,18 +26,21 @@ entries, and at most ``MAX_STOP_IDS`` stop token ids plus the model's EOS ids
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import types
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from jaxserve.api.validation import (InvalidArgument, sampling_params_from_proto,
+from jaxserve.api.validation import (InvalidArgument, sampling_params_from_kwargs,
                                      validate_chat, validate_request, validate_text)
 from jaxserve.proto import generate_pb2 as pb
+from jaxserve.proto.convert import sampling_params_kwargs_from_proto
 from jaxserve.sampling_params import SamplingParams
 
 # The sampler's widths (DEFAULT_LOGIT_BIAS_WIDTH, DEFAULT_BANNED_WIDTH in
 # jaxserve.worker.sampler.metadata, which imports jax; a test checks they agree).
 MAX_LOGIT_BIAS = 64
 MAX_STOP_IDS = 16
+_NO_DEFAULTS: Mapping[str, Any] = types.MappingProxyType({})
 
 
 class Unsupported(ValueError):
@@ -62,15 +71,28 @@ class RequestPreparer:
       max_model_len: most prompt + generated tokens.
       eos_token_ids: the model's EOS ids (count against ``MAX_STOP_IDS``).
       max_num_seqs: the engine's row count (the most completions per request).
+      defaults: the model's default sampling parameters
+        (``jaxserve.generation_config.load_sampling_defaults``: ``SamplingParams``
+        keyword arguments; ``max_tokens`` is a default reply length that
+        ``validate`` caps at the room the prompt leaves).
+
+    Raises:
+      InvalidArgument: ``defaults`` has an unknown key or a value
+        ``SamplingParams`` rejects (``sampling_params.<name>``).
     """
 
     def __init__(self, tokenizer: Any, *, vocab_size: int, max_model_len: int,
-                 eos_token_ids: Sequence[int], max_num_seqs: int) -> None:
+                 eos_token_ids: Sequence[int], max_num_seqs: int,
+                 defaults: Mapping[str, Any] = _NO_DEFAULTS) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.eos_token_ids = tuple(eos_token_ids)
         self.max_num_seqs = max_num_seqs
+        sampling_params_from_kwargs(defaults)  # fail at start-up, not on every request
+        defaults = dict(defaults)
+        self.default_max_tokens: int | None = defaults.pop("max_tokens", None)
+        self.defaults: Mapping[str, Any] = types.MappingProxyType(defaults)
 
     # -------------------------------------------------------------- prompts
     def encode_text(self, text: str) -> list[int]:
@@ -100,14 +122,56 @@ class RequestPreparer:
         return text, list(self.tokenizer.encode(text, add_special_tokens=False))
 
     # -------------------------------------------------------------- requests
+    def sampling_params(self, kwargs: Mapping[str, Any]) -> SamplingParams:
+        """A request's validated ``SamplingParams``: its explicit values over the model's defaults.
+
+        Args:
+          kwargs: the request's ``SamplingParams`` keyword arguments; a key
+            whose value is None counts as not set (its default applies).
+
+        Returns:
+          ``SamplingParams`` with ``max_tokens`` None (not ``SamplingParams``'
+          16) when the request did not set it: ``validate`` resolves it
+          against the prompt and the model's default.
+
+        Raises:
+          InvalidArgument: ``sampling_params.<name>`` for an unknown key or a
+            value ``SamplingParams`` rejects.
+        """
+        merged: dict[str, Any] = {"max_tokens": None, **self.defaults}
+        merged.update((k, v) for k, v in kwargs.items() if v is not None)
+        return sampling_params_from_kwargs(merged)
+
+    def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams, *,
+                 prompt_field: str = "token_ids") -> SamplingParams:
+        """Checks a tokenized request against the server and the model.
+
+        Args:
+          prompt_token_ids: the prompt, i32[P] as ints.
+          params: from ``sampling_params``.
+          prompt_field: the request field named in prompt errors.
+
+        Returns:
+          ``params`` with ``max_tokens`` resolved: the request's, else the
+          model's default capped at the room left, else the room left
+          (``validate_request``).
+
+        Raises:
+          InvalidArgument / Unsupported: as ``check_limits`` and ``validate_request``.
+        """
+        self.check_limits(params)
+        return validate_request(prompt_token_ids, params, vocab_size=self.vocab_size,
+                                max_model_len=self.max_model_len, prompt_field=prompt_field,
+                                default_max_tokens=self.default_max_tokens)
+
     def prepare(self, request: pb.GenerateRequest) -> PreparedRequest:
-        """Tokenizes and validates ``request``.
+        """Tokenizes and validates ``request`` (``sampling_params``, then ``validate``).
 
         Raises:
           InvalidArgument: a bad prompt or sampling parameter (the field is named).
           Unsupported: ``prompt_logprobs`` (not supported by the engine).
         """
-        params = sampling_params_from_proto(request.sampling_params)
+        params = self.sampling_params(sampling_params_kwargs_from_proto(request.sampling_params))
         kind = request.WhichOneof("prompt")
         if kind == "text":
             validate_text(request.text)
@@ -119,10 +183,7 @@ class RequestPreparer:
             field = "chat.messages"
         else:
             raise InvalidArgument("prompt", "set one of text, token_ids or chat")
-        self.check_limits(params)
-        params = validate_request(ids, params, vocab_size=self.vocab_size,
-                                  max_model_len=self.max_model_len, prompt_field=field)
-        return PreparedRequest(ids, kind, params)
+        return PreparedRequest(ids, kind, self.validate(ids, params, prompt_field=field))
 
     def check_limits(self, params: SamplingParams) -> None:
         """The server's static limits (see the module docstring).

@@ -4,9 +4,10 @@
         [--host 0.0.0.0] [--port 50051] [--metrics-port 9090]
 
 Started by ``jaxserve serve`` (``jaxserve.launcher``). Start-up: bind the port
-at once (health NOT_SERVING), load the tokenizer, wait for the engine process
-(``EngineClient.connect``: it is ready once its worker has loaded and compiled
-the model), then report SERVING for "" and "jaxserve.GenerateService". Server
+at once (health NOT_SERVING), load the tokenizer and the model's default
+sampling parameters (``--generation-config``, ``jaxserve.generation_config``),
+wait for the engine process (``EngineClient.connect``: it is ready once its
+worker has loaded and compiled the model), then report SERVING for "" and "jaxserve.GenerateService". Server
 reflection lists GenerateService and Health. Prometheus metrics
 (``jaxserve.metrics``) are served over HTTP on ``--metrics-port`` (0 = off).
 
@@ -33,6 +34,7 @@ from grpc_reflection.v1alpha import reflection
 from jaxserve.api.engine_client import EngineClient, EngineError
 from jaxserve.api.generate_service import SERVICE_NAME, GenerateServicer, stats_refresher
 from jaxserve.api.prompts import RequestPreparer
+from jaxserve.generation_config import AUTO, generation_config_source, load_sampling_defaults
 from jaxserve.metrics import ServerMetrics
 from jaxserve.procutil import setup_logging
 from jaxserve.proto import generate_pb2 as pb
@@ -95,6 +97,13 @@ class ApiServer:
                                    f"{args.host}:{args.metrics_port}: {err.strerror}") from None
             logger.info("metrics on http://%s:%d/metrics", args.host, args.metrics_port)
         tokenizer = await asyncio.to_thread(load_tokenizer, args.model)
+        try:
+            defaults = await asyncio.to_thread(load_sampling_defaults, args.model,
+                                               args.generation_config)
+        except (OSError, ValueError) as err:
+            raise RuntimeError(f"--generation-config {args.generation_config}: {err}") from None
+        if defaults:
+            logger.info("default sampling parameters from the generation config: %s", defaults)
         # Generate must exist before start (aio servers take no handlers later): it
         # answers UNAVAILABLE until the engine is connected.
         info_future: asyncio.Future = asyncio.get_running_loop().create_future()
@@ -115,7 +124,7 @@ class ApiServer:
         preparer = RequestPreparer(tokenizer, vocab_size=info.vocab_size,
                                    max_model_len=info.max_model_len,
                                    eos_token_ids=info.eos_token_ids,
-                                   max_num_seqs=info.max_num_seqs)
+                                   max_num_seqs=info.max_num_seqs, defaults=defaults)
         self.servicer = GenerateServicer(
             self.engine, preparer, model_name=args.served_model_name or _model_name(args.model),
             metrics=self.metrics,
@@ -174,6 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", required=True, help="the model directory (for its tokenizer)")
     parser.add_argument("--served-model-name", default=None,
                         help="the name GetModelInfo reports (default: the directory's name)")
+    parser.add_argument("--generation-config", type=generation_config_source, default=AUTO,
+                        help="default sampling parameters: auto = the model's "
+                             "generation_config.json, vllm = none, or a directory with one")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=50051, help="gRPC port (default 50051)")
     parser.add_argument("--metrics-port", type=int, default=0,

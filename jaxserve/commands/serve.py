@@ -10,6 +10,7 @@ import argparse
 import logging
 
 from jaxserve.engine.service import add_engine_arguments, engine_flags
+from jaxserve.generation_config import AUTO, generation_config_source
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +27,12 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds to wait for the server to start (default: no limit)")
     parser.add_argument("--in-process-worker", action="store_true",
                         help="run the model inside the engine process (development)")
+    parser.add_argument("--generation-config", type=generation_config_source, default=AUTO,
+                        help="default sampling parameters for fields a request leaves unset: "
+                             "auto = the model's generation_config.json (temperature, top_p, "
+                             "top_k, min_p, repetition_penalty, max_new_tokens as max_tokens), "
+                             "vllm = SamplingParams' own defaults, or a directory holding a "
+                             "generation_config.json (default auto)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,7 +50,8 @@ def serve_options(args: argparse.Namespace, **overrides: object):
                   metrics_port=getattr(args, "metrics_port", 0),
                   max_waiting_requests=args.max_waiting_requests,
                   engine_flags=tuple(engine_flags(args)), log_level=args.log_level,
-                  in_process_worker=args.in_process_worker)
+                  in_process_worker=args.in_process_worker,
+                  generation_config=args.generation_config)
     values.update(overrides)
     return ServeOptions(**values)
 
@@ -58,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         try:
             launcher.start()
-        except (FileNotFoundError, DemoModelError) as err:
+        except (FileNotFoundError, ValueError, DemoModelError) as err:
             logger.error("%s", err)
             return 1
         seconds = launcher.wait_ready(args.ready_timeout, stop_event=stop.event)
