@@ -39,7 +39,7 @@ import sys
 import threading
 import time
 
-from jaxserve.procutil import die_with_parent, free_port
+from jaxserve.procutil import die_with_parent, free_port, quiet_library_notices
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +73,7 @@ class ServeOptions:
 def _env() -> dict[str, str]:
     from jaxserve.demo_model import cache_root
 
+    quiet_library_notices()
     env = dict(os.environ)
     env.setdefault("JAX_COMPILATION_CACHE_DIR", str(cache_root() / "jax_cache"))
     env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")

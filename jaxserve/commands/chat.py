@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from jaxserve.commands.generate import add_client_arguments, sampling_kwargs
+from jaxserve.commands.generate import add_client_arguments, error_message, sampling_kwargs
 
 DEFAULT_MAX_TOKENS = 512  # most tokens in one reply unless --max-tokens says otherwise
 
@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
             except JaxServeError as err:
                 if parts:
                     sys.stdout.write("\n")
-                print(f"error: {err.code.name}: {err.message}", file=sys.stderr)
+                print(error_message(err, args.server), file=sys.stderr)
                 failed = True
                 history.pop()
                 continue
