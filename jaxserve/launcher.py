@@ -228,7 +228,8 @@ class Launcher:
                 os.killpg(self._pgid, signal.SIGKILL)  # anything the children left behind
             except ProcessLookupError:
                 pass
-        logger.info("server stopped")
+        if self.processes:
+            logger.info("server stopped")
 
 
 def _read_announcement(proc: subprocess.Popen, timeout: float = _ANNOUNCE_TIMEOUT_S) -> str:
