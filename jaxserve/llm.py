@@ -12,8 +12,9 @@ runs)::
 ``generate`` runs every request to completion and returns the
 ``RequestOutput``s in input order. Without ``SamplingParams`` it uses
 ``get_default_sampling_params()``: the model's ``generation_config.json``
-defaults (``jaxserve.generation_config``, as vLLM's ``LLM``). Detokenization and stop strings are
-done here, per completion, by ``jaxserve.api.incremental_output`` (the same
+defaults (``jaxserve.generation_config``, as vLLM's ``LLM``); the engine caps
+``max_tokens`` at the room the prompt leaves. Detokenization and stop strings
+are done here, per completion, by ``jaxserve.api.incremental_output`` (the same
 code the api process uses): when a stop string matches, the completion is
 aborted in the engine and finishes with reason "stop".
 """

@@ -7,8 +7,8 @@ Started by ``jaxserve serve`` (``jaxserve.launcher``). Start-up: bind the port
 at once (health NOT_SERVING), load the tokenizer and the model's default
 sampling parameters (``--generation-config``, ``jaxserve.generation_config``),
 wait for the engine process (``EngineClient.connect``: it is ready once its
-worker has loaded and compiled the model), then report SERVING for "" and "jaxserve.GenerateService". Server
-reflection lists GenerateService and Health. Prometheus metrics
+worker has loaded and compiled the model), then report SERVING for "" and
+"jaxserve.GenerateService". Server reflection lists GenerateService and Health. Prometheus metrics
 (``jaxserve.metrics``) are served over HTTP on ``--metrics-port`` (0 = off).
 
 NOT_SERVING again when the engine fails or is lost (its requests fail with
