@@ -8,8 +8,9 @@ at once (health NOT_SERVING), load the tokenizer and the model's default
 sampling parameters (``--generation-config``, ``jaxserve.generation_config``),
 wait for the engine process (``EngineClient.connect``: it is ready once its
 worker has loaded and compiled the model), then report SERVING for "" and
-"jaxserve.GenerateService". Server reflection lists GenerateService and Health. Prometheus metrics
-(``jaxserve.metrics``) are served over HTTP on ``--metrics-port`` (0 = off).
+"jaxserve.GenerateService". Server reflection lists GenerateService and Health.
+Prometheus metrics (``jaxserve.metrics``) are served over HTTP on
+``--metrics-port`` (0 = off).
 
 NOT_SERVING again when the engine fails or is lost (its requests fail with
 ``UNAVAILABLE``). SIGINT / SIGTERM: health NOT_SERVING, running requests end
