@@ -21,8 +21,7 @@ DEFAULT_MAX_TOKENS = 512  # most tokens in one reply unless --max-tokens says ot
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_client_arguments(parser)
-    parser.set_defaults(max_tokens=DEFAULT_MAX_TOKENS)
+    add_client_arguments(parser, default_max_tokens=DEFAULT_MAX_TOKENS)
     parser.add_argument("--system", default=None, help="a system message")
 
 

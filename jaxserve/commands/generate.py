@@ -24,15 +24,22 @@ _SAMPLING_FLAGS = (("max_tokens", int), ("temperature", float), ("top_p", float)
                    ("frequency_penalty", float))
 
 
-def add_client_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--server``, ``--timeout`` and the sampling flags (shared with ``chat``)."""
+def add_client_arguments(parser: argparse.ArgumentParser,
+                         default_max_tokens: int | None = None) -> None:
+    """``--server``, ``--timeout`` and the sampling flags (shared with ``chat``).
+
+    Unset sampling flags are not sent (the server's defaults apply), except
+    ``--max-tokens`` when ``default_max_tokens`` is given.
+    """
     parser.add_argument("--server", default=DEFAULT_TARGET,
                         help=f"host[:port] of a running server (default {DEFAULT_TARGET}; "
                              f"the port defaults to 50051)")
     parser.add_argument("--timeout", type=float, default=None, help="seconds per request")
     for name, kind in _SAMPLING_FLAGS:
-        parser.add_argument("--" + name.replace("_", "-"), type=kind, default=None,
-                            help=f"SamplingParams.{name}")
+        default = default_max_tokens if name == "max_tokens" else None
+        shown = "the server's" if default is None else default
+        parser.add_argument("--" + name.replace("_", "-"), type=kind, default=default,
+                            help=f"SamplingParams.{name} (default: {shown})")
     parser.add_argument("--stop", action="append", default=None,
                         help="a stop string (repeatable)")
 
