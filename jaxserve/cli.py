@@ -32,12 +32,17 @@ def build_parser() -> argparse.ArgumentParser:
         sub_parser = sub.add_parser(name, help=help_text, description=help_text)
         mod = importlib.import_module(module)
         mod.add_arguments(sub_parser)
-        sub_parser.set_defaults(_module=mod)
+        sub_parser.set_defaults(_module=mod, _parser=sub_parser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args, unknown = build_parser().parse_known_args(argv)
+    if unknown:  # a misspelt flag: the subcommand's usage, not the top-level one (exits 2)
+        args._parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    from jaxserve.procutil import quiet_library_notices
+
+    quiet_library_notices()
     logging.basicConfig(
         level=args.log_level.upper(), stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

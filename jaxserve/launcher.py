@@ -39,7 +39,7 @@ import sys
 import threading
 import time
 
-from jaxserve.procutil import die_with_parent, free_port
+from jaxserve.procutil import die_with_parent, free_port, quiet_library_notices
 
 logger = logging.getLogger(__name__)
 
@@ -75,11 +75,13 @@ class ServeOptions:
     engine_flags: tuple[str, ...] = ()
     log_level: str = "INFO"
     in_process_worker: bool = False  # run the model inside the engine process (development)
+    generation_config: str = "auto"  # default sampling: auto / vllm / a directory (api process)
 
 
 def _env() -> dict[str, str]:
     from jaxserve.demo_model import cache_root
 
+    quiet_library_notices()
     env = dict(os.environ)
     env.setdefault("JAX_COMPILATION_CACHE_DIR", str(cache_root() / "jax_cache"))
     env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
@@ -116,12 +118,19 @@ class Launcher:
         """Resolves the model and starts the processes (returns at once; see ``wait_ready``).
 
         Raises:
-          FileNotFoundError / DemoModelError: the model cannot be found or built.
+          FileNotFoundError / DemoModelError: the model cannot be found or built,
+            or lacks its weights or tokenizer files (``jaxserve.model_files``).
+          ValueError: its generation config holds a value ``SamplingParams``
+            rejects (``jaxserve.generation_config``).
         """
         from jaxserve.demo_model import resolve_model_path
+        from jaxserve.generation_config import load_sampling_defaults
+        from jaxserve.model_files import check_model_files
 
         opts = self.options
         model = str(resolve_model_path(opts.model))
+        check_model_files(model)  # one line now, not a traceback in a child process later
+        load_sampling_defaults(model, opts.generation_config)
         env = _env()
         worker = None
         if not opts.in_process_worker:
@@ -135,7 +144,7 @@ class Launcher:
                    str(opts.port), "--metrics-port", str(opts.metrics_port),
                    "--max-waiting-requests", str(opts.max_waiting_requests),
                    "--shutdown-grace", str(opts.shutdown_grace),
-                   "--log-level", opts.log_level]
+                   "--generation-config", opts.generation_config, "--log-level", opts.log_level]
         if opts.http_port:
             api_cmd += ["--http-port", str(opts.http_port)]
         if opts.served_model_name or opts.model is None:
@@ -245,7 +254,8 @@ class Launcher:
                 os.killpg(self._pgid, signal.SIGKILL)  # anything the children left behind
             except ProcessLookupError:
                 pass
-        logger.info("server stopped")
+        if self.processes:
+            logger.info("server stopped")
 
 
 def _read_announcement(proc: subprocess.Popen, timeout: float = _ANNOUNCE_TIMEOUT_S) -> str:

@@ -10,8 +10,11 @@ runs)::
     outs = llm.chat([{"role": "user", "content": "Hi"}])
 
 ``generate`` runs every request to completion and returns the
-``RequestOutput``s in input order. Detokenization and stop strings are
-done here, per completion, by ``jaxserve.api.incremental_output`` (the same
+``RequestOutput``s in input order. Without ``SamplingParams`` it uses
+``get_default_sampling_params()``: the model's ``generation_config.json``
+defaults (``jaxserve.generation_config``, as vLLM's ``LLM``); the engine caps
+``max_tokens`` at the room the prompt leaves. Detokenization and stop strings
+are done here, per completion, by ``jaxserve.api.incremental_output`` (the same
 code the api process uses): when a stop string matches, the completion is
 aborted in the engine and finishes with reason "stop".
 """
@@ -80,13 +83,21 @@ class LLM:
         — the same default as ``jaxserve serve``, so either loads what the
         other compiled.
       strict_recompile: a compile after warm-up raises (tests).
+      generation_config: where default sampling parameters come from:
+        "auto" = the model's ``generation_config.json``, "vllm" =
+        ``SamplingParams()``, or a directory holding a generation_config.json
+        (``jaxserve.generation_config``).
       worker: None or "in_process" = a new ``InProcessWorker``; "grpc" = a
         new worker process (``python -m jaxserve.worker.server``, stopped by
         ``shutdown``); or a ``jaxserve.step_plan.Worker`` (tests pass one
         holding an already loaded model).
 
     Raises:
-      ValueError: invalid configuration (see ``jaxserve.engine.config``).
+      FileNotFoundError: the model directory lacks its weights or the
+        tokenizer directory its tokenizer files (``jaxserve.model_files``),
+        or ``generation_config`` names a directory without the file.
+      ValueError: invalid configuration (see ``jaxserve.engine.config``), or
+        a generation config value ``SamplingParams`` rejects.
       WorkerDiedError: (from ``generate`` / ``chat``) the worker process died;
         the LLM cannot be used any more.
     """
@@ -100,11 +111,16 @@ class LLM:
                  attention_backend: str | None = None, seed: int = 0,
                  async_scheduling: bool = False, scan_layers: bool = False,
                  compilation_cache_dir: str | None = None,
-                 strict_recompile: bool = False, worker: Any = None):
+                 strict_recompile: bool = False, generation_config: str = "auto",
+                 worker: Any = None):
         from jaxserve.demo_model import resolve_model_path
+        from jaxserve.generation_config import load_sampling_defaults
+        from jaxserve.model_files import check_model_files
 
         path = resolve_model_path(model)
+        check_model_files(path, tokenizer_dir=tokenizer)
         self.model_path = path
+        self.default_sampling = load_sampling_defaults(path, generation_config)
         if compilation_cache_dir is None:
             compilation_cache_dir = _default_compilation_cache_dir()
         config = EngineConfig(
@@ -140,6 +156,11 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` / ``chat`` use without ``sampling_params``: ``SamplingParams``
+        with the model's generation-config defaults (``generation_config`` argument)."""
+        return SamplingParams.from_dict(self.default_sampling)
+
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
@@ -153,7 +174,7 @@ class LLM:
             "prompt_token_ids" (vLLM's TextPrompt / TokensPrompt), or a list
             of any of these.
           sampling_params: one for all prompts, one per prompt, or None for
-            ``SamplingParams()``.
+            ``get_default_sampling_params()``.
           use_tqdm: show a progress bar.
 
         Returns:
@@ -213,7 +234,7 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None,
              use_tqdm: bool) -> list[RequestOutput]:
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params = ([sampling_params] * len(texts) if isinstance(sampling_params, SamplingParams)
                   else list(sampling_params))
         if len(params) != len(texts):

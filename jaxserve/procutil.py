@@ -23,10 +23,25 @@ _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def setup_logging(process: str, level: str = "INFO") -> None:
-    """Logs to stderr as ``time LEVEL [process] logger: message``."""
+    """Logs to stderr as ``time LEVEL [process] logger: message``; quiets library notices."""
+    quiet_library_notices()
     logging.basicConfig(
         level=level.upper(), stream=sys.stderr, force=True,
         format=f"%(asctime)s %(levelname)s [{process}] %(name)s: %(message)s")
+
+
+def quiet_library_notices() -> None:
+    """Silences two start-up notices that are not problems; warnings and errors still show.
+
+    - transformers' advisory "PyTorch was not found..." (jaxserve never needs
+      torch): ``TRANSFORMERS_NO_ADVISORY_WARNINGS=1`` unless set, which also
+      reaches child processes; only ``warning_advice`` messages are affected.
+    - JAX's INFO "Unable to initialize backend 'tpu'..." when no TPU library
+      is installed: the ``jax._src.xla_bridge`` logger at WARNING (its
+      warnings, e.g. a GPU jax cannot use, still show).
+    """
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
 
 
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None

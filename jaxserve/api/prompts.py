@@ -5,6 +5,12 @@
 naming the field (``jaxserve.api.validation``), or ``Unsupported`` for a
 valid parameter this server cannot honour (gRPC ``UNIMPLEMENTED``).
 
+It is built from two steps any front end (gRPC, HTTP) uses the same way:
+``sampling_params(kwargs)`` — the request's explicit sampling fields over the
+model's defaults (``jaxserve.generation_config``), validated — and
+``validate(prompt_token_ids, params)`` — the server's limits and the checks
+against the model, ``max_tokens`` resolved.
+
 Prompts are tokenized exactly as ``jaxserve.LLM`` does: text with
 ``tokenizer.encode(text)`` (the tokenizer's own special-token rule), a chat
 rendered by the tokenizer's chat template and encoded without adding special
@@ -20,6 +26,7 @@ entries, and at most ``MAX_STOP_IDS`` stop token ids plus the model's EOS ids
 from __future__ import annotations
 
 import dataclasses
+import types
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -33,6 +40,7 @@ from jaxserve.sampling_params import SamplingParams
 # jaxserve.worker.sampler.metadata, which imports jax; a test checks they agree).
 MAX_LOGIT_BIAS = 64
 MAX_STOP_IDS = 16
+_NO_DEFAULTS: Mapping[str, Any] = types.MappingProxyType({})
 
 
 class Unsupported(InvalidArgument):
@@ -67,15 +75,28 @@ class RequestPreparer:
       max_model_len: most prompt + generated tokens.
       eos_token_ids: the model's EOS ids (count against ``MAX_STOP_IDS``).
       max_num_seqs: the engine's row count (the most completions per request).
+      defaults: the model's default sampling parameters
+        (``jaxserve.generation_config.load_sampling_defaults``: ``SamplingParams``
+        keyword arguments; ``max_tokens`` is a default reply length that
+        ``validate`` caps at the room the prompt leaves).
+
+    Raises:
+      InvalidArgument: ``defaults`` has an unknown key or a value
+        ``SamplingParams`` rejects (``sampling_params.<name>``).
     """
 
     def __init__(self, tokenizer: Any, *, vocab_size: int, max_model_len: int,
-                 eos_token_ids: Sequence[int], max_num_seqs: int) -> None:
+                 eos_token_ids: Sequence[int], max_num_seqs: int,
+                 defaults: Mapping[str, Any] = _NO_DEFAULTS) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.eos_token_ids = tuple(eos_token_ids)
         self.max_num_seqs = max_num_seqs
+        sampling_params_from_kwargs(defaults)  # fail at start-up, not on every request
+        defaults = dict(defaults)
+        self.default_max_tokens: int | None = defaults.pop("max_tokens", None)
+        self.defaults: Mapping[str, Any] = types.MappingProxyType(defaults)
 
     # -------------------------------------------------------------- prompts
     def encode_text(self, text: str) -> list[int]:
@@ -105,15 +126,56 @@ class RequestPreparer:
         return text, list(self.tokenizer.encode(text, add_special_tokens=False))
 
     # -------------------------------------------------------------- requests
+    def sampling_params(self, kwargs: Mapping[str, Any]) -> SamplingParams:
+        """A request's validated ``SamplingParams``: its explicit values over the model's defaults.
+
+        Args:
+          kwargs: the request's ``SamplingParams`` keyword arguments; a key
+            whose value is None counts as not set (its default applies).
+
+        Returns:
+          ``SamplingParams`` with ``max_tokens`` None (not ``SamplingParams``'
+          16) when the request did not set it: ``validate`` resolves it
+          against the prompt and the model's default.
+
+        Raises:
+          InvalidArgument: ``sampling_params.<name>`` for an unknown key or a
+            value ``SamplingParams`` rejects.
+        """
+        merged: dict[str, Any] = {"max_tokens": None, **self.defaults}
+        merged.update((k, v) for k, v in kwargs.items() if v is not None)
+        return sampling_params_from_kwargs(merged)
+
+    def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams, *,
+                 prompt_field: str = "token_ids") -> SamplingParams:
+        """Checks a tokenized request against the server and the model.
+
+        Args:
+          prompt_token_ids: the prompt, i32[P] as ints.
+          params: from ``sampling_params``.
+          prompt_field: the request field named in prompt errors.
+
+        Returns:
+          ``params`` with ``max_tokens`` resolved: the request's, else the
+          model's default capped at the room left, else the room left
+          (``validate_request``).
+
+        Raises:
+          InvalidArgument / Unsupported: as ``check_limits`` and ``validate_request``.
+        """
+        self.check_limits(params)
+        return validate_request(prompt_token_ids, params, vocab_size=self.vocab_size,
+                                max_model_len=self.max_model_len, prompt_field=prompt_field,
+                                default_max_tokens=self.default_max_tokens)
+
     def prepare(self, request: pb.GenerateRequest) -> PreparedRequest:
-        """Tokenizes and validates ``request``.
+        """Tokenizes and validates ``request`` (``sampling_params``, then ``validate``).
 
         Raises:
           InvalidArgument: a bad prompt or sampling parameter (the field is named).
           Unsupported: ``prompt_logprobs`` (not supported by the engine).
         """
-        kwargs = sampling_params_kwargs_from_proto(request.sampling_params)
-        params = self.sampling_params(kwargs)
+        params = self.sampling_params(sampling_params_kwargs_from_proto(request.sampling_params))
         kind = request.WhichOneof("prompt")
         if kind == "text":
             validate_text(request.text)
@@ -127,21 +189,11 @@ class RequestPreparer:
             raise InvalidArgument("prompt", "set one of text, token_ids or chat")
         return self.prepare_tokens(ids, params, prompt_field=field)
 
-    def sampling_params(self, kwargs: Mapping[str, Any]) -> SamplingParams:
-        """Validated ``SamplingParams`` from a request's explicit fields.
-
-        Args:
-          kwargs: the fields the request set (absent ``max_tokens`` = up to
-            the context length).
-
-        Raises:
-          InvalidArgument: ``sampling_params.<name>``.
-        """
-        return sampling_params_from_kwargs(kwargs)
-
     def prepare_tokens(self, prompt_token_ids: Sequence[int], params: SamplingParams, *,
                        prompt_field: str) -> PreparedRequest:
-        """Checks a tokenized prompt and its parameters against the model and the server.
+        """A ``PreparedRequest`` from a tokenized prompt and ``sampling_params``' result.
+
+        The HTTP API's path into the same checks as ``prepare`` (``validate``).
 
         Args:
           prompt_token_ids: the prompt, i32[P] as ints.
@@ -152,10 +204,8 @@ class RequestPreparer:
           InvalidArgument / Unsupported: naming the field.
         """
         ids = list(prompt_token_ids)
-        self.check_limits(params)
-        params = validate_request(ids, params, vocab_size=self.vocab_size,
-                                  max_model_len=self.max_model_len, prompt_field=prompt_field)
-        return PreparedRequest(ids, prompt_field, params)
+        return PreparedRequest(ids, prompt_field, self.validate(ids, params,
+                                                                prompt_field=prompt_field))
 
     def check_limits(self, params: SamplingParams) -> None:
         """The server's static limits (see the module docstring).

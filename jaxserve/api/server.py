@@ -6,8 +6,9 @@ reflection) and the OpenAI-compatible HTTP API — over one ``RequestRunner``.
         [--ssl-certfile CERT --ssl-keyfile KEY]    # API key: $JAXSERVE_API_KEY
 
 Started by ``jaxserve serve`` (``jaxserve.launcher``). Start-up: bind the
-ports at once (health NOT_SERVING, HTTP 503), load the tokenizer, wait for the
-engine process (``EngineClient.connect``: it is ready once its worker has
+ports at once (health NOT_SERVING, HTTP 503), load the tokenizer and the
+model's default sampling parameters (``--generation-config``,
+``jaxserve.generation_config``), wait for the engine process (``EngineClient.connect``: it is ready once its worker has
 loaded and compiled the model), then report SERVING for "" and
 "jaxserve.GenerateService" and answer HTTP requests. Server reflection lists
 GenerateService and Health. Prometheus metrics (``jaxserve.metrics``) are
@@ -52,6 +53,7 @@ from jaxserve.api.generate_service import SERVICE_NAME, GenerateServicer, stats_
 from jaxserve.api.openai.app import HttpFrontEnd, http_server
 from jaxserve.api.prompts import RequestPreparer
 from jaxserve.api.runner import RequestRunner
+from jaxserve.generation_config import AUTO, generation_config_source, load_sampling_defaults
 from jaxserve.launcher import API_KEY_ENV, READY_LINE
 from jaxserve.metrics import ServerMetrics
 from jaxserve.procutil import setup_logging
@@ -145,6 +147,13 @@ class ApiServer:
                                    f"{args.host}:{args.metrics_port}: {err.strerror}") from None
             logger.info("metrics on http://%s:%d/metrics", args.host, args.metrics_port)
         tokenizer = await asyncio.to_thread(load_tokenizer, args.model)
+        try:
+            defaults = await asyncio.to_thread(load_sampling_defaults, args.model,
+                                               args.generation_config)
+        except (OSError, ValueError) as err:
+            raise RuntimeError(f"--generation-config {args.generation_config}: {err}") from None
+        if defaults:
+            logger.info("default sampling parameters from the generation config: %s", defaults)
         # Generate must exist before start (aio servers take no handlers later): it
         # answers UNAVAILABLE until the engine is connected.
         servicer: asyncio.Future = asyncio.get_running_loop().create_future()
@@ -153,7 +162,7 @@ class ApiServer:
         logger.info("api listening on %s; waiting for the engine at %s", address,
                     args.engine_address)
         try:
-            await self._serve(tokenizer, servicer, address)
+            await self._serve(tokenizer, defaults, servicer, address)
         finally:
             if http_task is not None:
                 http.stop()
@@ -162,7 +171,8 @@ class ApiServer:
             await self.engine.close()
             logger.info("api stopped")
 
-    async def _serve(self, tokenizer: Any, servicer: asyncio.Future, address: str) -> None:
+    async def _serve(self, tokenizer: Any, defaults: dict[str, Any], servicer: asyncio.Future,
+                     address: str) -> None:
         args = self.args
         connect = asyncio.create_task(self.engine.connect(timeout=args.engine_timeout))
         stopped = asyncio.create_task(self._stopped.wait())
@@ -175,7 +185,7 @@ class ApiServer:
         preparer = RequestPreparer(tokenizer, vocab_size=info.vocab_size,
                                    max_model_len=info.max_model_len,
                                    eos_token_ids=info.eos_token_ids,
-                                   max_num_seqs=info.max_num_seqs)
+                                   max_num_seqs=info.max_num_seqs, defaults=defaults)
         self.runner = RequestRunner(
             self.engine, preparer, model_name=args.served_model_name or _model_name(args.model),
             metrics=self.metrics,
@@ -287,6 +297,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", required=True, help="the model directory (for its tokenizer)")
     parser.add_argument("--served-model-name", default=None,
                         help="the name GetModelInfo reports (default: the directory's name)")
+    parser.add_argument("--generation-config", type=generation_config_source, default=AUTO,
+                        help="default sampling parameters: auto = the model's "
+                             "generation_config.json, vllm = none, or a directory with one")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=50051, help="gRPC port (default 50051)")
     parser.add_argument("--http-port", type=int, default=0,

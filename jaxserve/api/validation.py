@@ -111,8 +111,8 @@ def check_token_ids(token_ids: Iterable[int], *, vocab_size: int, field: str) ->
 
 
 def validate_request(prompt_token_ids: Sequence[int], params: SamplingParams, *,
-                     vocab_size: int, max_model_len: int,
-                     prompt_field: str = "token_ids") -> SamplingParams:
+                     vocab_size: int, max_model_len: int, prompt_field: str = "token_ids",
+                     default_max_tokens: int | None = None) -> SamplingParams:
     """Checks a tokenized request against the model; returns params with max_tokens resolved.
 
     Args:
@@ -122,9 +122,15 @@ def validate_request(prompt_token_ids: Sequence[int], params: SamplingParams, *,
       max_model_len: most prompt + generated tokens per request.
       prompt_field: the request field the prompt came from (``text``,
         ``token_ids`` or ``chat.messages``), named in prompt errors.
+      default_max_tokens: the model's default reply length in tokens (its
+        ``generation_config.json`` ``max_new_tokens``), used when
+        ``params.max_tokens`` is None; None = no default.
 
     Returns:
-      ``params``, with ``max_tokens=None`` replaced by ``max_model_len - P``.
+      ``params``, with ``max_tokens=None`` replaced by the room left,
+      ``max_model_len - P``, or by ``default_max_tokens`` when that is smaller
+      (but never below ``min_tokens``) — vLLM's rule: a default never makes a
+      request too long.
 
     Raises:
       InvalidArgument: an empty prompt or an id outside the vocabulary
@@ -154,6 +160,8 @@ def validate_request(prompt_token_ids: Sequence[int], params: SamplingParams, *,
                                   f"min_tokens {params.min_tokens} plus the prompt's {num_prompt} "
                                   f"tokens exceed the model's maximum context length "
                                   f"of {max_model_len} tokens")
+        if default_max_tokens is not None:
+            room = min(room, max(default_max_tokens, params.min_tokens))
         return dataclasses.replace(params, max_tokens=room)
     if params.max_tokens > room:
         raise InvalidArgument(SAMPLING_PREFIX + "max_tokens",

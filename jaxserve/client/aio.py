@@ -18,10 +18,11 @@ import grpc.aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from jaxserve.client.sync import DEFAULT_TARGET
-from jaxserve.client.types import (GenerateResult, call_metadata, channel_credentials, JaxServeError, Message, ModelInfo,
-                                   ResultBuilder, StreamDelta, TokenizeResult,
+from jaxserve.client.types import (GenerateResult, JaxServeError, Message, ModelInfo,
+                                   ReadyWait, ResultBuilder, StreamDelta, TokenizeResult,
                                    build_generate_request, build_tokenize_request,
-                                   delta_from_proto, model_info_from_proto, num_completions)
+                                   call_metadata, channel_credentials, delta_from_proto,
+                                   model_info_from_proto, num_completions, with_default_port)
 from jaxserve.proto import generate_pb2 as pb
 from jaxserve.proto import generate_pb2_grpc as pb_grpc
 from jaxserve.sampling_params import SamplingParams
@@ -35,10 +36,12 @@ class AsyncClient:
                  options: Sequence[tuple[str, Any]] | None = None, api_key: str | None = None,
                  tls: bool = False, root_certificates: bytes | None = None) -> None:
         self._owns_channel = channel is None
+        self.target = with_default_port(target)
         if channel is None:
             credentials = channel_credentials(tls, root_certificates)
-            channel = (grpc.aio.insecure_channel(target, options=options) if credentials is None
-                       else grpc.aio.secure_channel(target, credentials, options=options))
+            channel = (grpc.aio.insecure_channel(self.target, options=options)
+                       if credentials is None
+                       else grpc.aio.secure_channel(self.target, credentials, options=options))
         self._channel = channel
         self._metadata = call_metadata(api_key)
         self._stub = pb_grpc.GenerateServiceStub(self._channel)
@@ -60,16 +63,23 @@ class AsyncClient:
         return self._timeout if timeout is None else timeout
 
     async def wait_ready(self, timeout: float | None = None) -> None:
-        """Waits until the channel is connected.
+        """Waits until health reports SERVING for GenerateService; see ``Client.wait_ready``.
 
         Raises:
-          JaxServeError: (``UNAVAILABLE``) not connected within ``timeout`` seconds.
+          JaxServeError: (``UNAVAILABLE``) not SERVING within ``timeout`` seconds;
+            any other health-check failure.
         """
-        try:
-            await asyncio.wait_for(self._channel.channel_ready(), self._deadline(timeout))
-        except asyncio.TimeoutError:
-            raise JaxServeError(grpc.StatusCode.UNAVAILABLE,
-                                f"not connected within {timeout} s") from None
+        wait = ReadyWait(self.target, self._deadline(timeout))
+        while True:
+            remaining = wait.remaining()
+            try:
+                reply = await self._health.Check(wait.request, timeout=remaining,
+                                                 wait_for_ready=True)
+                if wait.serving(reply):
+                    return
+            except grpc.aio.AioRpcError as err:
+                wait.failed(err)
+            await asyncio.sleep(wait.pause_s())
 
     async def generate(self, prompt: str | Sequence[int] | None = None, *,
                        messages: Iterable[Message] | None = None,

@@ -9,28 +9,32 @@ cancels the call, which aborts the request on the server.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from jaxserve.client.types import (GenerateResult, call_metadata, channel_credentials, JaxServeError, Message, ModelInfo,
-                                   ResultBuilder, StreamDelta, TokenizeResult,
+from jaxserve.client.types import (DEFAULT_PORT, GenerateResult, JaxServeError, Message,
+                                   ModelInfo, ResultBuilder, StreamDelta, TokenizeResult,
                                    build_generate_request, build_tokenize_request,
-                                   delta_from_proto, model_info_from_proto, num_completions)
+                                   call_metadata, channel_credentials, delta_from_proto,
+                                   model_info_from_proto, num_completions, ReadyWait,
+                                   with_default_port)
 from jaxserve.proto import generate_pb2 as pb
 from jaxserve.proto import generate_pb2_grpc as pb_grpc
 from jaxserve.sampling_params import SamplingParams
 
-DEFAULT_TARGET = "localhost:50051"
+DEFAULT_TARGET = f"localhost:{DEFAULT_PORT}"
 
 
 class Client:
     """Blocking client: generate, stream, chat, tokenize, model_info, health.
 
     Args:
-      target: ``host:port`` of the server.
+      target: ``host:port`` of the server; a bare host gets the default port
+        (50051), as ``jaxserve serve`` listens there.
       timeout: default deadline of every call, in seconds (None = none).
       channel: use this channel instead of creating one to ``target``
         (interceptors, custom credentials); the client then does not close it.
@@ -55,10 +59,11 @@ class Client:
                  options: Sequence[tuple[str, Any]] | None = None, api_key: str | None = None,
                  tls: bool = False, root_certificates: bytes | None = None) -> None:
         self._owns_channel = channel is None
+        self.target = with_default_port(target)
         if channel is None:
             credentials = channel_credentials(tls, root_certificates)
-            channel = (grpc.insecure_channel(target, options=options) if credentials is None
-                       else grpc.secure_channel(target, credentials, options=options))
+            channel = (grpc.insecure_channel(self.target, options=options) if credentials is None
+                       else grpc.secure_channel(self.target, credentials, options=options))
         self._channel = channel
         self._metadata = call_metadata(api_key)
         self._stub = pb_grpc.GenerateServiceStub(self._channel)
@@ -80,16 +85,32 @@ class Client:
         return self._timeout if timeout is None else timeout
 
     def wait_ready(self, timeout: float | None = None) -> None:
-        """Blocks until the channel is connected.
+        """Blocks until the health service reports SERVING for ``jaxserve.GenerateService``.
+
+        A server answers health checks while it starts (NOT_SERVING; Generate
+        then fails with ``UNAVAILABLE``); this polls ``grpc.health.v1`` Check
+        every 0.1 s, waiting for the connection too, until the status is
+        SERVING. A request sent after it returns is served.
+
+        Args:
+          timeout: seconds to wait in all (None = the client's default; None
+            there too = no limit).
 
         Raises:
-          JaxServeError: (``UNAVAILABLE``) not connected within ``timeout`` seconds.
+          JaxServeError: (``UNAVAILABLE``) not SERVING within ``timeout``
+            seconds (the message names the last status or error); any other
+            health-check failure (e.g. ``UNIMPLEMENTED``: no health service).
         """
-        try:
-            grpc.channel_ready_future(self._channel).result(timeout=self._deadline(timeout))
-        except grpc.FutureTimeoutError:
-            raise JaxServeError(grpc.StatusCode.UNAVAILABLE,
-                                f"not connected within {timeout} s") from None
+        wait = ReadyWait(self.target, self._deadline(timeout))
+        while True:
+            remaining = wait.remaining()
+            try:
+                reply = self._health.Check(wait.request, timeout=remaining, wait_for_ready=True)
+                if wait.serving(reply):
+                    return
+            except grpc.RpcError as err:
+                wait.failed(err)
+            time.sleep(wait.pause_s())
 
     def generate(self, prompt: str | Sequence[int] | None = None, *,
                  messages: Iterable[Message] | None = None,

@@ -7,10 +7,12 @@ and the generated messages, never jax.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import grpc
+from grpc_health.v1 import health_pb2
 
 from jaxserve.proto import generate_pb2 as pb
 from jaxserve.proto.convert import finish_reason_from_proto, sampling_params_to_proto
@@ -18,6 +20,17 @@ from jaxserve.sampling_params import SamplingParams
 
 # A chat message: {"role": ..., "content": ...}, a (role, content) pair, or the proto message.
 Message = Mapping[str, str] | tuple[str, str] | pb.ChatMessage
+
+DEFAULT_PORT = 50051  # where ``jaxserve serve`` listens unless told otherwise
+
+# The health-service name whose SERVING means "Generate answers": jaxserve.GenerateService.
+GENERATE_SERVICE = pb.DESCRIPTOR.services_by_name["GenerateService"].full_name
+# Health-check failures that mean "not ready yet" while waiting: nothing listening
+# or a connection lost (UNAVAILABLE), a slow answer (DEADLINE_EXCEEDED), the
+# service not registered yet (NOT_FOUND).
+NOT_READY_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                             grpc.StatusCode.NOT_FOUND})
+READY_POLL_S = 0.1  # seconds between health checks while waiting for SERVING
 
 
 class JaxServeError(Exception):
@@ -41,6 +54,79 @@ class JaxServeError(Exception):
         code = err.code() if callable(getattr(err, "code", None)) else grpc.StatusCode.UNKNOWN
         details = err.details() if callable(getattr(err, "details", None)) else str(err)
         return cls(code or grpc.StatusCode.UNKNOWN, details or "")
+
+
+def with_default_port(target: str) -> str:
+    """``target`` with ``:DEFAULT_PORT`` appended when it names a host without a port.
+
+    gRPC would otherwise dial port 443 for ``"localhost"``. Targets with a
+    scheme (``dns:``, ``unix:``, ``ipv4:``...) and bare IPv6 addresses are
+    returned unchanged; ``"[::1]"`` becomes ``"[::1]:50051"``.
+    """
+    if "://" in target or target.startswith(("dns:", "unix:", "unix-abstract:", "ipv4:",
+                                              "ipv6:", "vsock:")):
+        return target
+    if target.startswith("["):
+        return target if "]:" in target else f"{target}:{DEFAULT_PORT}"
+    if target.count(":") == 0:
+        return f"{target}:{DEFAULT_PORT}"
+    return target
+
+
+class ReadyWait:
+    """The bookkeeping of ``wait_ready`` (shared by ``Client`` and ``AsyncClient``).
+
+    Each round: ``remaining()`` (raises once the time is up), one health
+    ``Check`` of ``request``, then ``serving(reply)`` or ``failed(err)``, then
+    a pause of ``pause_s()`` seconds.
+
+    Args:
+      target: the server's address (named in the error).
+      timeout: seconds in all; None = no limit.
+    """
+
+    request = health_pb2.HealthCheckRequest(service=GENERATE_SERVICE)
+
+    def __init__(self, target: str, timeout: float | None) -> None:
+        self.target = target
+        self.timeout = timeout
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+        self.last = "no answer"
+
+    def remaining(self) -> float | None:
+        """Seconds left (None = no limit).
+
+        Raises:
+          JaxServeError: (``UNAVAILABLE``) the time is up; names the last status or error.
+        """
+        if self.deadline is None:
+            return None
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise JaxServeError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"the server at {self.target} did not report SERVING for {GENERATE_SERVICE} "
+                f"within {self.timeout} s (last: {self.last}); is it running? Start one with "
+                f"`jaxserve serve --model MODEL_DIR`")
+        return left
+
+    def serving(self, reply: health_pb2.HealthCheckResponse) -> bool:
+        """True when ``reply`` says SERVING."""
+        if reply.status == health_pb2.HealthCheckResponse.SERVING:
+            return True
+        self.last = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+        return False
+
+    def failed(self, err: grpc.RpcError) -> None:
+        """Notes a not-ready failure; raises ``JaxServeError`` for others (``UNIMPLEMENTED``)."""
+        if err.code() not in NOT_READY_CODES:
+            raise JaxServeError.from_rpc_error(err) from None
+        self.last = f"{err.code().name}: {err.details()}"
+
+    def pause_s(self) -> float:
+        """Seconds to wait before the next check."""
+        left = None if self.deadline is None else self.deadline - time.monotonic()
+        return READY_POLL_S if left is None else max(0.0, min(READY_POLL_S, left))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

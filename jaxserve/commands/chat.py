@@ -3,8 +3,10 @@
 Reads one user message per line from stdin, streams each reply, and keeps
 the conversation (rendered by the model's chat template on the server).
 An empty line, ``/exit`` or end of input ends it; ``/reset`` forgets the
-history. Sampling flags as ``jaxserve generate``; invalid ones are refused
-before the first message (exit status 2). Exit status 1 when any reply
+history. Sampling flags as ``jaxserve generate``, except that a reply is at
+most ``--max-tokens`` 512 tokens unless told otherwise (a chat should not run
+to the end of the context); invalid flags are refused before the first
+message (exit status 2). Exit status 1 when any reply
 failed, 0 otherwise.
 """
 
@@ -13,11 +15,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from jaxserve.commands.generate import add_client_arguments, sampling_kwargs
+from jaxserve.commands.generate import add_client_arguments, error_message, sampling_kwargs
+
+DEFAULT_MAX_TOKENS = 512  # most tokens in one reply unless --max-tokens says otherwise
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_client_arguments(parser)
+    add_client_arguments(parser, default_max_tokens=DEFAULT_MAX_TOKENS)
     parser.add_argument("--system", default=None, help="a system message")
 
 
@@ -59,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
             except JaxServeError as err:
                 if parts:
                     sys.stdout.write("\n")
-                print(f"error: {err.code.name}: {err.message}", file=sys.stderr)
+                print(error_message(err, args.server), file=sys.stderr)
                 failed = True
                 history.pop()
                 continue

@@ -32,6 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from jaxserve.client import Client, JaxServeError
     from jaxserve.commands.serve import serve_options
+    from jaxserve.demo_model import DemoModelError
     from jaxserve.launcher import Launcher, ServerExited
     from jaxserve.procutil import StopSignal, free_port
 
@@ -63,7 +64,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     except InterruptedError:
         return 130
-    except (ServerExited, TimeoutError, JaxServeError) as err:
+    except (ServerExited, TimeoutError, JaxServeError, FileNotFoundError, ValueError,
+            DemoModelError) as err:
         logger.error("demo failed: %s", err)
         return 1
     finally:

@@ -4,9 +4,10 @@
     jaxserve generate --server host:50051 "Once upon a time" --stop "." --seed 7
 
 Sampling flags map to ``SamplingParams`` fields; unset ones take the
-server's defaults (``max_tokens``: up to the context length). The finish
+server's defaults (the model's ``generation_config.json``, else
+``SamplingParams``'; ``max_tokens``: up to the context length). The finish
 reason and token counts go to stderr. Exit status 1 on a server error (its
-status and message are printed).
+status and message are printed; when no server answers, how to start one).
 """
 
 from __future__ import annotations
@@ -23,14 +24,22 @@ _SAMPLING_FLAGS = (("max_tokens", int), ("temperature", float), ("top_p", float)
                    ("frequency_penalty", float))
 
 
-def add_client_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--server``, ``--timeout`` and the sampling flags (shared with ``chat``)."""
+def add_client_arguments(parser: argparse.ArgumentParser,
+                         default_max_tokens: int | None = None) -> None:
+    """``--server``, ``--timeout`` and the sampling flags (shared with ``chat``).
+
+    Unset sampling flags are not sent (the server's defaults apply), except
+    ``--max-tokens`` when ``default_max_tokens`` is given.
+    """
     parser.add_argument("--server", default=DEFAULT_TARGET,
-                        help=f"host:port of a running server (default {DEFAULT_TARGET})")
+                        help=f"host[:port] of a running server (default {DEFAULT_TARGET}; "
+                             f"the port defaults to 50051)")
     parser.add_argument("--timeout", type=float, default=None, help="seconds per request")
     for name, kind in _SAMPLING_FLAGS:
-        parser.add_argument("--" + name.replace("_", "-"), type=kind, default=None,
-                            help=f"SamplingParams.{name}")
+        default = default_max_tokens if name == "max_tokens" else None
+        shown = "the server's" if default is None else default
+        parser.add_argument("--" + name.replace("_", "-"), type=kind, default=default,
+                            help=f"SamplingParams.{name} (default: {shown})")
     parser.add_argument("--stop", action="append", default=None,
                         help="a stop string (repeatable)")
 
@@ -42,6 +51,19 @@ def sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     if args.stop:
         out["stop"] = list(args.stop)
     return out
+
+
+def error_message(err: Any, server: str) -> str:
+    """The one line a client command prints for a failed call (``err``: a ``JaxServeError``).
+
+    When nothing answers at ``server``, it says how to start a server.
+    """
+    line = f"error: {err.code.name}: {err.message}"
+    if err.code.name == "UNAVAILABLE" and "failed to connect" in err.message.lower():
+        line += (f"\nno jaxserve server answers at {server}; start one with "
+                 f"`jaxserve serve --model MODEL_DIR` (or `jaxserve serve` for the demo model), "
+                 f"or pass --server HOST:PORT")
+    return line
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -60,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
                 sys.stdout.flush()
                 last = delta
     except JaxServeError as err:
-        print(f"\nerror: {err.code.name}: {err.message}", file=sys.stderr)
+        print("\n" + error_message(err, args.server), file=sys.stderr)
         return 1
     sys.stdout.write("\n")
     if last is not None and last.usage is not None:

@@ -12,6 +12,7 @@ import os
 
 from jaxserve.engine.service import add_engine_arguments, engine_flags
 from jaxserve.launcher import API_KEY_ENV
+from jaxserve.generation_config import AUTO, generation_config_source
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +33,12 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                              "at once)")
     parser.add_argument("--in-process-worker", action="store_true",
                         help="run the model inside the engine process (development)")
+    parser.add_argument("--generation-config", type=generation_config_source, default=AUTO,
+                        help="default sampling parameters for fields a request leaves unset: "
+                             "auto = the model's generation_config.json (temperature, top_p, "
+                             "top_k, min_p, repetition_penalty, max_new_tokens as max_tokens), "
+                             "vllm = SamplingParams' own defaults, or a directory holding a "
+                             "generation_config.json (default auto)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -69,7 +76,8 @@ def serve_options(args: argparse.Namespace, **overrides: object):
                   max_waiting_requests=args.max_waiting_requests,
                   shutdown_grace=args.shutdown_grace,
                   engine_flags=tuple(engine_flags(args)), log_level=args.log_level,
-                  in_process_worker=args.in_process_worker)
+                  in_process_worker=args.in_process_worker,
+                  generation_config=args.generation_config)
     values.update(overrides)
     return ServeOptions(**values)
 
@@ -87,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         try:
             launcher.start()
-        except (FileNotFoundError, DemoModelError) as err:
+        except (FileNotFoundError, ValueError, DemoModelError) as err:
             logger.error("%s", err)
             return 1
         seconds = launcher.wait_ready(args.ready_timeout, stop_event=stop.event)

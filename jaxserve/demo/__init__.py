@@ -15,6 +15,12 @@ Nothing here imports jax; torch is never needed.
 
 from __future__ import annotations
 
+# The sampling defaults written into the demo model's generation_config.json
+# (read by jaxserve.generation_config): SmolLM2-Instruct's model card samples
+# with temperature 0.2 and top_p 0.9; replies default to at most 256 tokens.
+GENERATION_DEFAULTS = {"do_sample": True, "temperature": 0.2, "top_p": 0.9,
+                       "max_new_tokens": 256}
+
 
 class DemoModelError(RuntimeError):
     """The demo model could not be fetched, built or verified; the message says why and what to do."""

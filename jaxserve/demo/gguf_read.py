@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxserve.demo import DemoModelError
+from jaxserve.demo import GENERATION_DEFAULTS, DemoModelError
 
 # GGUF token types (llama.cpp's llama_token_type).
 TOKEN_TYPE_NORMAL = 1
@@ -154,9 +154,11 @@ def hf_config(info: GgufModelInfo) -> dict[str, Any]:
 
 
 def generation_config(info: GgufModelInfo) -> dict[str, Any]:
-    """``generation_config.json``: the special token ids (generation stops at ``eos_token_id``)."""
+    """``generation_config.json``: the special token ids (generation stops at
+    ``eos_token_id``) and the demo's sampling defaults (``jaxserve.demo.GENERATION_DEFAULTS``)."""
     return {
         "bos_token_id": info.bos_token_id,
         "eos_token_id": info.eos_token_id,
         "pad_token_id": info.pad_token_id,
+        **GENERATION_DEFAULTS,
     }

@@ -12,6 +12,11 @@ import dataclasses
 
 from jaxserve.step_plan import Geometry, WorkerInit
 
+# The parameter dtypes every attention backend serves: the CPU reference and
+# the Pallas GPU kernel (pallas_kernels/tuning.py takes float32 and bfloat16).
+# float16 is refused at start-up rather than failing inside the kernel.
+SERVED_DTYPES = ("float32", "bfloat16")
+
 # Bottom of the T ladder on the CPU (measured on the demo model, float32,
 # docs/engine.md): T=1 takes XLA's matrix-vector path (~27 ms/step), T=2
 # already costs as much as T=4 (~50 ms), so the ladder goes 1, 4, 8, 16, ...
@@ -145,7 +150,7 @@ class EngineConfig:
 
     Attributes:
       model: Hugging Face model directory, or None for the demo model.
-      dtype: "float32" (CPU default) or "bfloat16".
+      dtype: "float32" (CPU default) or "bfloat16" (``SERVED_DTYPES``).
       max_model_len: longest sequence in tokens; None = the model's maximum.
       scheduler, cache: see their classes.
       attention_backend: None = the worker's platform default.
@@ -173,6 +178,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.dtype not in SERVED_DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(SERVED_DTYPES)}, got "
+                             f"{self.dtype!r} (float16 is not served: the GPU attention "
+                             f"kernel takes float32 and bfloat16 only)")
 
     def worker_init(self) -> WorkerInit:
         """The ``initialize`` request for the worker."""

@@ -43,7 +43,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from jaxserve import plan_codec
-from jaxserve.procutil import StopSignal
+from jaxserve.procutil import StopSignal, setup_logging
 from jaxserve.proto import worker_pb2 as wpb
 from jaxserve.proto import worker_pb2_grpc as wpb_grpc
 from jaxserve.step_plan import WorkerStatus
@@ -247,8 +247,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="exit when the parent process exits")
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s worker %(levelname)s %(name)s: %(message)s")
+    setup_logging("worker", args.log_level)  # as the api and engine processes
     if args.compilation_cache_dir:
         os.environ["JAX_COMPILATION_CACHE_DIR"] = args.compilation_cache_dir
         os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")

@@ -13,6 +13,10 @@ token id or a stop string in it ends it ("stop"), else it ends with EOS
 
 ``GetModelInfo`` and ``Tokenize`` answer from fixed values; the server also
 serves ``grpc.health.v1`` (with ``NOT_SERVING_SERVICE`` marked not serving).
+
+``FakeServer(starting=True)`` behaves like the api process while it starts:
+health NOT_SERVING and Generate ``UNAVAILABLE: the server is starting`` until
+``start_serving()``.
 """
 
 from __future__ import annotations
@@ -87,9 +91,14 @@ class ScriptedGenerateServicer(pb_grpc.GenerateServiceServicer):
     def __init__(self) -> None:
         self.requests: list[pb.GenerateRequest] = []
         self.cancelled = threading.Event()
+        self.serving = threading.Event()
+        self.serving.set()
 
     def Generate(self, request: pb.GenerateRequest,
                  context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
+        if not self.serving.is_set():
+            context.abort(grpc.StatusCode.UNAVAILABLE,
+                          "the server is starting: the engine is not ready yet")
         self.requests.append(request)
         text = prompt_text(request)
         request_id = request.request_id or "fake-1"
@@ -157,20 +166,34 @@ class ScriptedGenerateServicer(pb_grpc.GenerateServiceServicer):
 
 
 class FakeServer:
-    """Starts the scripted server on 127.0.0.1 (a free port); ``stop()`` ends it."""
+    """Starts the scripted server on 127.0.0.1 (a free port); ``stop()`` ends it.
 
-    def __init__(self) -> None:
+    Args:
+      starting: begin as a starting server (see the module docstring).
+    """
+
+    def __init__(self, *, starting: bool = False) -> None:
         self.servicer = ScriptedGenerateServicer()
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
         pb_grpc.add_GenerateServiceServicer_to_server(self.servicer, self.server)
-        health_servicer = health.HealthServicer()
-        for service in ("", SERVICE):
-            health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
-        health_servicer.set(NOT_SERVING_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
-        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self.server)
+        self.health = health.HealthServicer()
+        self.health.set(NOT_SERVING_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        if starting:
+            self.servicer.serving.clear()
+            for service in ("", SERVICE):
+                self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        else:
+            self.start_serving()
         self.port = self.server.add_insecure_port("127.0.0.1:0")
         self.target = f"127.0.0.1:{self.port}"
         self.server.start()
+
+    def start_serving(self) -> None:
+        """Generate answers from now on, then health reports SERVING (as the api process)."""
+        self.servicer.serving.set()
+        for service in ("", SERVICE):
+            self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
 
     def stop(self) -> None:
         self.server.stop(grace=None).wait()

@@ -9,6 +9,7 @@ cancellation and the health service. The echo "model" is described in
 
 from __future__ import annotations
 
+import threading
 import time
 
 import grpc
@@ -205,6 +206,44 @@ def test_unreachable_server():
 
 def test_wait_ready(client):
     client.wait_ready(timeout=5)
+
+
+def test_wait_ready_waits_for_serving_not_for_the_connection():
+    starting = FakeServer(starting=True)
+    flip = threading.Timer(0.5, starting.start_serving)
+    try:
+        with Client(starting.target, timeout=10) as c:
+            with pytest.raises(JaxServeError) as info:  # connected, but still starting
+                c.generate("hello", max_tokens=2)
+            assert info.value.code == grpc.StatusCode.UNAVAILABLE
+            flip.start()
+            c.wait_ready(timeout=30)
+            assert starting.servicer.serving.is_set()
+            assert c.generate("hello", max_tokens=2).text == "he"
+    finally:
+        flip.cancel()
+        starting.stop()
+
+
+def test_wait_ready_times_out_while_the_server_is_starting():
+    starting = FakeServer(starting=True)
+    try:
+        with Client(starting.target) as c:
+            with pytest.raises(JaxServeError) as info:
+                c.wait_ready(timeout=0.5)
+        assert info.value.code == grpc.StatusCode.UNAVAILABLE
+        assert "NOT_SERVING" in info.value.message and "jaxserve serve" in info.value.message
+    finally:
+        starting.stop()
+
+
+@pytest.mark.parametrize("target, expected", [
+    ("localhost", "localhost:50051"), ("10.0.0.7", "10.0.0.7:50051"),
+    ("[::1]", "[::1]:50051"), ("host:8000", "host:8000"), ("[::1]:7", "[::1]:7"),
+    ("unix:/tmp/sock", "unix:/tmp/sock"), ("dns:///host:9", "dns:///host:9")])
+def test_a_bare_host_gets_the_default_port(target, expected):
+    with Client(target) as c:
+        assert c.target == expected
 
 
 class grpc_free_port:

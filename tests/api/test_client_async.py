@@ -108,3 +108,22 @@ def test_concurrent_streams(server):
         return await asyncio.gather(*(collect(client, p) for p in prompts))
 
     assert run(server, body, timeout=10) == prompts
+
+
+def test_wait_ready_waits_for_serving():
+    starting = FakeServer(starting=True)
+
+    async def main():
+        async with AsyncClient(starting.target, timeout=10) as client:
+            with pytest.raises(JaxServeError) as info:
+                await client.wait_ready(timeout=0.3)
+            assert "NOT_SERVING" in info.value.message
+            asyncio.get_running_loop().call_later(0.3, starting.start_serving)
+            await client.wait_ready(timeout=30)
+            assert starting.servicer.serving.is_set()
+            return await client.generate("hello", max_tokens=2)
+
+    try:
+        assert asyncio.run(main()).text == "he"
+    finally:
+        starting.stop()

@@ -27,7 +27,8 @@ SERVER_MODULES = ["jaxserve.api.server", "jaxserve.api.generate_service",
                   "jaxserve.metrics", "jaxserve.launcher", "jaxserve.procutil",
                   "jaxserve.engine.service", "jaxserve.engine.loop", "jaxserve.engine.grpc_worker",
                   "jaxserve.proto.engine_convert", "jaxserve.commands.serve",
-                  "jaxserve.commands.demo", "jaxserve.commands.generate", "jaxserve.commands.chat"]
+                  "jaxserve.commands.demo", "jaxserve.commands.generate", "jaxserve.commands.chat",
+                  "jaxserve.generation_config", "jaxserve.model_files"]
 
 
 @pytest.fixture(scope="module")
@@ -130,6 +131,42 @@ def test_server_limits_match_the_sampler_and_name_the_field(tokenizer):
     prepared = prep.prepare(request)
     assert prepared.prompt_token_ids == tokenizer.encode("Hi")
     assert prepared.params.max_tokens == 64 - len(prepared.prompt_token_ids)
+
+
+def test_model_defaults_fill_what_a_request_leaves_unset(tokenizer, tmp_path):
+    from jaxserve.generation_config import load_sampling_defaults
+
+    (tmp_path / "generation_config.json").write_text(
+        '{"temperature": 0.2, "top_p": 0.9, "repetition_penalty": 1.3, "max_new_tokens": 8}')
+    prep = RequestPreparer(tokenizer, vocab_size=49152, max_model_len=64, eos_token_ids=[2],
+                           max_num_seqs=4, defaults=load_sampling_defaults(tmp_path))
+    params = prep.sampling_params({"top_p": 0.5, "seed": 3, "max_tokens": None})
+    assert (params.temperature, params.top_p, params.repetition_penalty, params.seed,
+            params.max_tokens) == (0.2, 0.5, 1.3, 3, None)
+    assert prep.sampling_params({"temperature": 0.0}).temperature == 0.0  # explicit wins
+    with pytest.raises(InvalidArgument) as err:
+        prep.sampling_params({"top_p": 1.5})
+    assert err.value.field == "sampling_params.top_p"
+
+    # Through prepare (the gRPC path): the wire's absent fields take the defaults.
+    wire = pb.GenerateRequest(text="Hi", sampling_params=pb.SamplingParams(top_k=5))
+    prepared = prep.prepare(wire)
+    assert (prepared.params.temperature, prepared.params.top_p, prepared.params.top_k,
+            prepared.params.max_tokens) == (0.2, 0.9, 5, 8)
+    wire.sampling_params.max_tokens = 20
+    wire.sampling_params.temperature = 1.0
+    explicit = prep.prepare(wire).params
+    assert (explicit.max_tokens, explicit.temperature) == (20, 1.0)
+
+    # The default reply length never makes a request too long: capped at the room left.
+    long_prompt = list(range(100, 160))
+    assert prep.validate(long_prompt, prep.sampling_params({})).max_tokens == 64 - 60
+    plain = RequestPreparer(tokenizer, vocab_size=49152, max_model_len=64, eos_token_ids=[2],
+                            max_num_seqs=4)
+    assert plain.prepare(pb.GenerateRequest(text="Hi")).params.temperature == 1.0
+    with pytest.raises(InvalidArgument, match="sampling_params.min_p"):
+        RequestPreparer(tokenizer, vocab_size=49152, max_model_len=64, eos_token_ids=[2],
+                        max_num_seqs=4, defaults={"min_p": 2.0})
 
 
 def test_server_modules_and_the_tokenizer_never_import_jax(demo_model_dir):

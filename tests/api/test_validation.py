@@ -156,6 +156,21 @@ def test_length_limits_exact():
                             max_model_len=MAX_LEN) == SamplingParams()
 
 
+def test_a_default_max_tokens_is_capped_by_the_room_and_raised_to_min_tokens():
+    def resolve(prompt_len, default, **params):
+        return validate_request(list(range(prompt_len)), SamplingParams(max_tokens=None, **params),
+                                vocab_size=VOCAB, max_model_len=MAX_LEN,
+                                default_max_tokens=default).max_tokens
+
+    assert resolve(10, 8) == 8  # the default, room allowing
+    assert resolve(60, 8) == MAX_LEN - 60  # never longer than the room left
+    assert resolve(10, 8, min_tokens=12) == 12  # min_tokens is a floor
+    assert resolve(10, None) == MAX_LEN - 10  # no default: the room left
+    explicit = validate_request(list(range(10)), SamplingParams(max_tokens=30), vocab_size=VOCAB,
+                                max_model_len=MAX_LEN, default_max_tokens=8)
+    assert explicit.max_tokens == 30
+
+
 def test_text_and_chat_checks():
     with pytest.raises(InvalidArgument, match=r"^text: "):
         validate_text("")

@@ -19,8 +19,8 @@ import zipfile
 import pytest
 
 from jaxserve import demo_model
-from jaxserve.demo import DemoModelError
-from jaxserve.demo.manifest import MANIFEST_NAME, manifest_problems
+from jaxserve.demo import GENERATION_DEFAULTS, DemoModelError
+from jaxserve.demo.manifest import MANIFEST_NAME, manifest_problems, write_manifest
 
 # Port 9 (discard) on the loopback: nothing listens, so connecting is refused at once.
 UNREACHABLE_INDEX = "http://127.0.0.1:9/simple"
@@ -91,6 +91,29 @@ def test_manifest_detects_missing_and_changed_files(tmp_path, demo_model_dir):
     assert "tokenizer.json is missing" in manifest_problems(copy)
     (copy / MANIFEST_NAME).unlink()
     assert manifest_problems(copy) == [f"no readable {MANIFEST_NAME}"]
+
+
+def test_an_older_directory_gets_the_sampling_defaults_without_a_rebuild(tmp_path, demo_model_dir,
+                                                                         monkeypatch):
+    _forbid_rebuild(monkeypatch)
+    target = demo_model.demo_model_path(tmp_path)
+    target.mkdir(parents=True)
+    for f in demo_model_dir.iterdir():
+        if f.name == "model.safetensors":
+            (target / f.name).symlink_to(f)
+        elif f.name != MANIFEST_NAME:
+            shutil.copy(f, target / f.name)
+    old = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}  # as built before the defaults
+    (target / "generation_config.json").write_text(json.dumps(old, indent=2) + "\n")
+    write_manifest(target, {"source": "an older build"})
+    assert manifest_problems(target) == []
+
+    assert demo_model.build_demo_model(tmp_path) == demo_model.BuildResult(target, False, 0.0, 0.0)
+    assert json.loads((target / "generation_config.json").read_text()) == {**old,
+                                                                           **GENERATION_DEFAULTS}
+    assert manifest_problems(target, full=True) == []
+    assert json.loads((target / MANIFEST_NAME).read_text())["source"] == "an older build"
+    assert not list(target.glob(".*tmp*"))
 
 
 def test_build_from_local_wheel_is_deterministic(tmp_path, demo_model_dir, demo_gguf_path):

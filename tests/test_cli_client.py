@@ -1,0 +1,46 @@
+"""``jaxserve generate`` / ``chat`` against the scripted loopback server (tests/api/fake_generate_server).
+
+What the commands send: only the sampling flags given, except that ``chat``
+bounds each reply with ``--max-tokens 512`` unless told otherwise.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.api.fake_generate_server import FakeServer
+
+
+@pytest.fixture(scope="module")
+def server():
+    fake = FakeServer()
+    yield fake
+    fake.stop()
+
+
+def _cli(*args: str, stdin: str = "") -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "jaxserve", *args], input=stdin,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_chat_bounds_each_reply_unless_told_otherwise(server):
+    proc = _cli("chat", "--server", server.target, stdin="Hi\n")
+    assert proc.returncode == 0, proc.stderr
+    assert "assistant> user: Hi" in proc.stdout  # the echo model's reply
+    sent = server.servicer.requests[-1].sampling_params
+    assert sent.HasField("max_tokens") and sent.max_tokens == 512
+    assert not sent.HasField("temperature")  # the server's default applies
+    proc = _cli("chat", "--server", server.target, "--max-tokens", "3", stdin="Hi\n")
+    assert proc.returncode == 0, proc.stderr
+    assert server.servicer.requests[-1].sampling_params.max_tokens == 3
+
+
+def test_generate_sends_only_the_flags_given(server):
+    proc = _cli("generate", "--server", server.target, "abc", "--temperature", "0")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "abc\n"
+    sent = server.servicer.requests[-1].sampling_params
+    assert sent.HasField("temperature") and not sent.HasField("max_tokens")
