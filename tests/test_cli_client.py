@@ -1,11 +1,13 @@
 """``jaxserve generate`` / ``chat`` against the scripted loopback server (tests/api/fake_generate_server).
 
 What the commands send: only the sampling flags given, except that ``chat``
-bounds each reply with ``--max-tokens 512`` unless told otherwise.
+bounds each reply with ``--max-tokens 512`` unless told otherwise; the API
+key (``--api-key`` or ``$JAXSERVE_API_KEY``) as ``authorization`` metadata.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -44,3 +46,16 @@ def test_generate_sends_only_the_flags_given(server):
     assert proc.stdout == "abc\n"
     sent = server.servicer.requests[-1].sampling_params
     assert sent.HasField("temperature") and not sent.HasField("max_tokens")
+
+
+def test_api_key_flag_and_environment_reach_the_server(server):
+    proc = _cli("generate", "--server", server.target, "abc", "--api-key", "k-1")
+    assert proc.returncode == 0, proc.stderr
+    assert server.servicer.metadata[-1]["authorization"] == "Bearer k-1"
+    proc = subprocess.run([sys.executable, "-m", "jaxserve", "generate", "--server",
+                           server.target, "abc"], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "JAXSERVE_API_KEY": "k-2"})
+    assert proc.returncode == 0, proc.stderr
+    assert server.servicer.metadata[-1]["authorization"] == "Bearer k-2"
+    proc = _cli("generate", "--server", server.target, "abc")
+    assert "authorization" not in server.servicer.metadata[-1]

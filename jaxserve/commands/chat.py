@@ -15,7 +15,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from jaxserve.commands.generate import add_client_arguments, error_message, sampling_kwargs
+from jaxserve.commands.generate import (add_client_arguments, client_kwargs, error_message,
+                                        sampling_kwargs)
 
 DEFAULT_MAX_TOKENS = 512  # most tokens in one reply unless --max-tokens says otherwise
 
@@ -39,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     if args.system:
         history.append({"role": "system", "content": args.system})
     interactive = sys.stdin.isatty()
-    with Client(args.server, timeout=args.timeout) as client:
+    with Client(args.server, **client_kwargs(args)) as client:
         while True:
             if interactive:
                 sys.stdout.write("you> ")

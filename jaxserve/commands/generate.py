@@ -13,10 +13,12 @@ status and message are printed; when no server answers, how to start one).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
 from jaxserve.client.sync import DEFAULT_TARGET
+from jaxserve.launcher import API_KEY_ENV
 
 _SAMPLING_FLAGS = (("max_tokens", int), ("temperature", float), ("top_p", float),
                    ("top_k", int), ("min_p", float), ("seed", int),
@@ -35,6 +37,13 @@ def add_client_arguments(parser: argparse.ArgumentParser,
                         help=f"host[:port] of a running server (default {DEFAULT_TARGET}; "
                              f"the port defaults to 50051)")
     parser.add_argument("--timeout", type=float, default=None, help="seconds per request")
+    parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                        help=f"the server's API key (default ${API_KEY_ENV})")
+    parser.add_argument("--tls", action="store_true",
+                        help="connect with TLS, trusting the system's root certificates")
+    parser.add_argument("--tls-ca", default=None, metavar="PEM",
+                        help="connect with TLS, trusting this certificate file (e.g. the "
+                             "server's self-signed --ssl-certfile)")
     for name, kind in _SAMPLING_FLAGS:
         default = default_max_tokens if name == "max_tokens" else None
         shown = "the server's" if default is None else default
@@ -42,6 +51,16 @@ def add_client_arguments(parser: argparse.ArgumentParser,
                             help=f"SamplingParams.{name} (default: {shown})")
     parser.add_argument("--stop", action="append", default=None,
                         help="a stop string (repeatable)")
+
+
+def client_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """``Client`` keyword arguments from the connection flags (``--timeout``, key, TLS)."""
+    roots = None
+    if args.tls_ca:
+        with open(args.tls_ca, "rb") as f:
+            roots = f.read()
+    return dict(timeout=args.timeout, api_key=args.api_key, tls=args.tls,
+                root_certificates=roots)
 
 
 def sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -76,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
 
     last = None
     try:
-        with Client(args.server, timeout=args.timeout) as client:
+        with Client(args.server, **client_kwargs(args)) as client:
             for delta in client.stream(args.prompt, **sampling_kwargs(args)):
                 sys.stdout.write(delta.text)
                 sys.stdout.flush()

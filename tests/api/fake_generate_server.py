@@ -85,11 +85,13 @@ def _logprobs(token_id: int, params: pb.SamplingParams) -> list[pb.TokenLogprobs
 
 
 class ScriptedGenerateServicer(pb_grpc.GenerateServiceServicer):
-    """See the module docstring. ``requests`` records every Generate request;
+    """See the module docstring. ``requests`` records every Generate request (``metadata``
+    its invocation metadata);
     ``cancelled`` is set when a sleeping or endless call saw its client go away."""
 
     def __init__(self) -> None:
         self.requests: list[pb.GenerateRequest] = []
+        self.metadata: list[dict[str, str]] = []  # each Generate call's invocation metadata
         self.cancelled = threading.Event()
         self.serving = threading.Event()
         self.serving.set()
@@ -100,6 +102,7 @@ class ScriptedGenerateServicer(pb_grpc.GenerateServiceServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE,
                           "the server is starting: the engine is not ready yet")
         self.requests.append(request)
+        self.metadata.append(dict(context.invocation_metadata()))
         text = prompt_text(request)
         request_id = request.request_id or "fake-1"
         if text.startswith("!error "):
