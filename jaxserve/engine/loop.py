@@ -79,7 +79,8 @@ class EngineLoop:
         self._wake = threading.Event()
         self._lock = threading.Lock()  # guards _commands, _subscribers, _error
         self._subscribers: list[queue.SimpleQueue[OutputBatch]] = []
-        self._remaining: dict[str, int] = {}  # request id -> unfinished completions (loop thread)
+        # request id -> indices of its unfinished completions (loop thread only)
+        self._remaining: dict[str, set[int]] = {}
         self._error = ""
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
@@ -131,7 +132,7 @@ class EngineLoop:
         """
         def add() -> None:
             self.core.add_request(request)
-            self._remaining[request.request_id] = request.sampling_params.n
+            self._remaining[request.request_id] = set(range(request.sampling_params.n))
 
         self.call(add)
 
@@ -142,11 +143,10 @@ class EngineLoop:
         def abort() -> None:
             self.core.abort_requests(targets)
             for target in targets:
-                rid, whole = (target, True) if isinstance(target, str) else (target[0], False)
-                if rid in self._remaining:
-                    self._remaining[rid] = 0 if whole else self._remaining[rid] - 1
-                    if self._remaining[rid] <= 0:
-                        del self._remaining[rid]
+                if isinstance(target, str):
+                    self._remaining.pop(target, None)
+                else:
+                    self._forget(*target)
 
         self.call(abort)
 
@@ -218,10 +218,16 @@ class EngineLoop:
 
     def _track(self, outputs: list[EngineCoreOutput]) -> None:
         for out in outputs:
-            if out.finish_reason is not None and out.request_id in self._remaining:
-                self._remaining[out.request_id] -= 1
-                if self._remaining[out.request_id] <= 0:
-                    del self._remaining[out.request_id]
+            if out.finish_reason is not None:
+                self._forget(out.request_id, out.index)
+
+    def _forget(self, request_id: str, index: int) -> None:
+        """Completion ``index`` of ``request_id`` is finished or aborted (idempotent)."""
+        unfinished = self._remaining.get(request_id)
+        if unfinished is not None:
+            unfinished.discard(index)
+            if not unfinished:
+                del self._remaining[request_id]
 
     def _fail(self, message: str) -> None:
         with self._lock:

@@ -140,10 +140,11 @@ class Scheduler:
     def abort_requests(self, ids) -> None:
         """Aborts requests (a request id) or single sequences ((request id, index)).
 
-        Unknown or finished ids are ignored. Blocks and rows are released now;
-        no output is emitted (the caller knows).
+        Unknown or finished ids are ignored, and so are repeats (a sequence
+        named twice, or by its id and its pair, ends once). Blocks and rows
+        are released now; no output is emitted (the caller knows).
         """
-        aborted = []
+        aborted: dict[int, Request] = {}  # id(req) -> req: a sequence named twice ends once
         for key in ids:
             rid, index = (key, None) if isinstance(key, str) else key
             group = self.groups.get(rid)
@@ -151,13 +152,12 @@ class Scheduler:
                 continue
             for req in group.sequences:
                 if (index is None or req.index == index) and not req.is_finished:
-                    aborted.append(req)
+                    aborted[id(req)] = req
         if not aborted:
             return
-        gone = {id(r) for r in aborted}
-        self.running = [r for r in self.running if id(r) not in gone]
-        self.waiting = collections.deque(r for r in self.waiting if id(r) not in gone)
-        for req in aborted:
+        self.running = [r for r in self.running if id(r) not in aborted]
+        self.waiting = collections.deque(r for r in self.waiting if id(r) not in aborted)
+        for req in aborted.values():
             self._finish(req, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
