@@ -11,7 +11,8 @@ reflection lists GenerateService and Health. Prometheus metrics
 (``jaxserve.metrics``) are served over HTTP on ``--metrics-port`` (0 = off).
 
 NOT_SERVING again when the engine fails or is lost (its requests fail with
-``UNAVAILABLE``). SIGINT / SIGTERM: health NOT_SERVING, running requests end
+``UNAVAILABLE``); SERVING again once the engine serves again (on a new
+worker: ``EngineClient`` reopens its output stream). SIGINT / SIGTERM: health NOT_SERVING, running requests end
 with finish reason "abort", the server stops after a short grace period.
 Never imports jax.
 """
@@ -124,6 +125,7 @@ class ApiServer:
         loop = asyncio.get_running_loop()
         self.engine.on_failure(
             lambda error: loop.create_task(self._set_health(NOT_SERVING)))
+        self.engine.on_recovery(lambda: loop.create_task(self._set_health(SERVING)))
         refresh = asyncio.create_task(stats_refresher(self.engine)())
         await self._set_health(SERVING)
         logger.info("api serving %s on %s (max_model_len %d, %d usable KV blocks of %d tokens)",
