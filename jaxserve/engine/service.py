@@ -13,7 +13,8 @@ imports jax): for development and tests only.
 Start-up: initialize the worker (it loads the model and compiles: the slow
 part), then bind the gRPC server, so once the port answers the engine is
 ready. It serves ``grpc.health.v1`` for "" and "jaxserve.EngineService":
-SERVING, then NOT_SERVING once a step fails (the worker died); in-flight requests then fail with the error
+SERVING, then NOT_SERVING once a step fails (the worker died, or a step took
+longer than ``--step-timeout``); in-flight requests then fail with the error
 (``EngineLoop``).
 
 **Worker supervision.** After a failure the engine kills the old worker
@@ -253,12 +254,23 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-worker-restarts", type=_non_negative_int, default=3,
                         help="worker processes the engine may start to replace a dead or hung "
                              "one, in its life (default 3; 0 = a worker failure is final)")
+    parser.add_argument("--step-timeout", type=_positive_float, default=300.0,
+                        help="seconds one step may take in the worker before the worker is "
+                             "treated as hung: killed and replaced (default 300; start-up "
+                             "compilation is not a step)")
 
 
 def _non_negative_int(text: str) -> int:
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
     return value
 
 
@@ -280,7 +292,8 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
     flags.append("--async-scheduling" if args.async_scheduling else "--no-async-scheduling")
     if args.scan_layers:
         flags.append("--scan-layers")
-    flags += ["--max-worker-restarts", str(args.max_worker_restarts)]
+    flags += ["--max-worker-restarts", str(args.max_worker_restarts),
+              "--step-timeout", repr(args.step_timeout)]
     return flags
 
 
@@ -304,7 +317,7 @@ def _make_worker(args: argparse.Namespace):
 
         logger.warning("running the worker in the engine process (--in-process-worker)")
         return InProcessWorker()
-    return GrpcWorker(args.worker_address, pid=args.worker_pid)
+    return GrpcWorker(args.worker_address, step_timeout=args.step_timeout, pid=args.worker_pid)
 
 
 # How long a restarted worker process may take to import jax and listen (seconds).
@@ -329,7 +342,8 @@ def worker_restarter(args: argparse.Namespace):
             old.worker.kill("replaced by a new worker")
         old.shutdown()
         worker = start_worker_process(log_level=args.log_level,
-                                      start_timeout=_WORKER_START_TIMEOUT_S)
+                                      start_timeout=_WORKER_START_TIMEOUT_S,
+                                      step_timeout=args.step_timeout)
         try:
             core = EngineCore(config, worker)
             if core.geometry != old.geometry:

@@ -1,14 +1,19 @@
-"""The engine replaces a dead worker and the server serves again (real processes).
+"""The engine replaces a dead or hung worker and the server serves again (real processes).
 
 A tiny random-weight Llama (with the demo model's tokenizer) behind the real
 launcher, api, engine and worker processes on loopback:
 
-**Killed worker**: SIGKILL the worker mid-stream; the stream fails with
-UNAVAILABLE within 5 s, the engine starts a new worker (executables from
-the persistent compilation cache), health is SERVING again within 60 s, a
-new greedy request gives the same tokens as before the kill, every KV
-block is free, ``jaxserve_worker_restarts_total`` is 1, and shutdown
-leaves no process (the replacement worker included).
+- **killed worker**: SIGKILL the worker mid-stream; the stream fails with
+  UNAVAILABLE within 5 s, the engine starts a new worker (executables from
+  the persistent compilation cache), health is SERVING again within 60 s,
+  a new greedy request gives the same tokens as before the kill, every KV
+  block is free, ``jaxserve_worker_restarts_total`` is 1, and shutdown
+  leaves no process (the replacement worker included);
+- **hung worker**: a test-only hook (``JAXSERVE_TEST_HANG_ONCE``, read by
+  ``jaxserve.worker.server``) makes the first worker hang inside one step;
+  after ``--step-timeout`` the engine treats it as dead: the stream fails
+  with UNAVAILABLE, the hung process is killed and replaced, and the server
+  serves the same greedy tokens again.
 
 Prompts are token ids below the tiny model's vocabulary (256).
 """
@@ -121,4 +126,29 @@ def test_killed_worker_is_replaced_and_the_server_serves_again(tiny_dir):
             assert _restarts_metric(metrics_port, 1.0) == 1.0
         pids = [p.pid for p in launcher.processes.values()] + _children(engine_pid)
         assert len(pids) == 4  # api, engine, the dead worker, its replacement
+    assert wait_gone(pids) == []
+
+
+def test_hung_worker_is_killed_after_the_step_timeout_and_replaced(tiny_dir, tmp_path,
+                                                                   monkeypatch):
+    with serve(tiny_dir, ENGINE) as launcher:
+        with Client(launcher.address, timeout=60) as client:
+            before = client.generate(PROMPT, **GREEDY).token_ids
+    monkeypatch.setenv("JAXSERVE_TEST_HANG_ONCE", f"40:{tmp_path / 'hung'}")
+    with serve(tiny_dir, ENGINE + ("--step-timeout", "5")) as launcher:
+        first_worker = launcher.processes["worker"]
+        with Client(launcher.address, timeout=120) as client:
+            assert client.generate(PROMPT, **GREEDY).token_ids == before  # steps < 40
+            stream = client.stream(PROMPT, **LONG)
+            next(stream)
+            start = time.monotonic()
+            failed = _fails_unavailable(stream)
+            assert (tmp_path / "hung").exists()
+            took = _wait_serving(client, SERVING_AGAIN_S)
+            print(f"\nhung worker: UNAVAILABLE after {failed - start:.2f} s "
+                  f"(--step-timeout 5), SERVING again {took:.1f} s later")
+            assert first_worker.wait(30) == -signal.SIGKILL
+            assert client.generate(PROMPT, **GREEDY).token_ids == before
+        pids = [p.pid for p in launcher.processes.values()] + _children(
+            launcher.processes["engine"].pid)
     assert wait_gone(pids) == []
