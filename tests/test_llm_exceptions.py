@@ -6,7 +6,9 @@ aborts every request of that call: no request is left unfinished, every KV
 block is free again, and the next call's greedy outputs equal those of a
 fresh ``LLM``. The worker is the jax-free ``FakeWorker``
 (tests/engine/fake_worker.py: its "model" is a digest of the context), so
-the module runs in seconds; the tokenizer is the demo model's.
+the module runs in seconds; the tokenizer is the demo model's. Parameters the
+worker's sampler cannot run are refused by ``add_request`` before any step
+(the worker would refuse the step, and a refused step leaves it unusable).
 """
 
 from __future__ import annotations
@@ -84,4 +86,18 @@ def test_interrupted_chat_leaves_the_engine_empty(demo_model_dir, monkeypatch):
         with pytest.raises(KeyboardInterrupt):
             llm.chat([{"role": "user", "content": "Hi"}], GREEDY, use_tqdm=False)
     _assert_engine_empty(llm)
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("bad", [dict(stop_token_ids=list(range(1, 20))),
+                                 dict(logit_bias={i: 1.0 for i in range(70)}),
+                                 dict(stop_token_ids=[VOCAB + 5])],
+                         ids=["stop-ids-over-width", "logit-bias-over-width", "stop-id-outside"])
+def test_parameters_the_sampler_cannot_run_are_refused_before_any_step(demo_model_dir, bad):
+    llm = _llm(demo_model_dir, async_scheduling=False)
+    with pytest.raises(ValueError, match="stop_token_ids|logit_bias"):
+        llm.generate(PROMPTS, [GREEDY, GREEDY, SamplingParams(max_tokens=4, **bad)],
+                     use_tqdm=False)
+    _assert_engine_empty(llm)
+    assert len(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == len(PROMPTS)
     llm.shutdown()

@@ -26,12 +26,7 @@ from typing import Any
 from jaxserve.api.validation import (InvalidArgument, sampling_params_from_proto,
                                      validate_chat, validate_request, validate_text)
 from jaxserve.proto import generate_pb2 as pb
-from jaxserve.sampling_params import SamplingParams
-
-# The sampler's widths (DEFAULT_LOGIT_BIAS_WIDTH, DEFAULT_BANNED_WIDTH in
-# jaxserve.worker.sampler.metadata, which imports jax; a test checks they agree).
-MAX_LOGIT_BIAS = 64
-MAX_STOP_IDS = 16
+from jaxserve.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_IDS, SamplingParams
 
 
 class Unsupported(ValueError):

@@ -9,7 +9,9 @@ random list of operations:
 - **add**: a prompt that may be empty, over ``max_model_len``, over the
   step budget, or hold ids outside the vocabulary; ``SamplingParams`` drawn
   within and beyond every field's range (NaN and infinities too), with
-  request ids that may repeat. ``SamplingParams`` itself may refuse the
+  request ids that may repeat, and valid values near and over the
+  sampler's widths (``MAX_STOP_IDS``, ``MAX_LOGIT_BIAS``; the fake worker
+  asserts them as the real one refuses them). ``SamplingParams`` itself may refuse the
   values (``ValueError``: the caller's contract, nothing reaches the
   engine); ``add_request`` may refuse the request only with ``ValueError``
   (or ``NotImplementedError`` for ``prompt_logprobs``), and then leaves
@@ -32,7 +34,7 @@ import math
 from hypothesis import HealthCheck, event, given, settings, strategies as st
 
 from jaxserve.engine import CacheConfig, EngineConfig, EngineCore, EngineCoreRequest, SchedulerConfig
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_IDS, SamplingParams
 from tests.engine.fake_worker import FakeWorker
 
 VOCAB = 64
@@ -75,7 +77,13 @@ _FIELDS = {
 # Each field sometimes left out (its default); three in four examples' values in range.
 _IN_RANGE = st.fixed_dictionaries({}, optional={k: v[0] for k, v in _FIELDS.items()})
 _BEYOND = st.fixed_dictionaries({}, optional={k: v[1] for k, v in _FIELDS.items()})
-PARAMS = st.one_of(_IN_RANGE, _IN_RANGE, _IN_RANGE, _BEYOND)
+# Valid parameters near and over the sampler's widths, ids at the vocabulary's edge.
+_SAMPLER_EDGE = st.fixed_dictionaries({
+    "stop_token_ids": st.lists(st.integers(0, VOCAB + 3), max_size=MAX_STOP_IDS + 3),
+    "logit_bias": st.dictionaries(st.integers(0, VOCAB + 3), st.floats(-100.0, 100.0),
+                                  max_size=MAX_LOGIT_BIAS + 3),
+}, optional={k: v[0] for k, v in _FIELDS.items() if k not in ("stop_token_ids", "logit_bias")})
+PARAMS = st.one_of(_IN_RANGE, _IN_RANGE, _IN_RANGE, _BEYOND, _SAMPLER_EDGE)
 _FITTING = st.lists(st.integers(1, VOCAB - 1), min_size=1, max_size=MAX_MODEL_LEN // 2)
 PROMPTS = st.one_of(
     _FITTING, _FITTING, _FITTING,
