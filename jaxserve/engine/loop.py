@@ -275,6 +275,9 @@ class EngineLoop:
             except Exception:  # noqa: BLE001 - logged; the next attempt or giving up follows
                 logger.exception("worker restart attempt %s failed", attempt)
                 continue
+            if self._stopping:  # stopped while the new worker started
+                core.shutdown()
+                return False
             with self._lock:
                 self.core = core
                 self._error = ""
