@@ -38,7 +38,7 @@ import logging
 import queue
 import sys
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 
 import grpc
@@ -179,7 +179,8 @@ class EngineServer:
     """
 
     def __init__(self, core: EngineCore, address: str, max_workers: int = 16, *,
-                 restart=None, max_restarts: int = 0,
+                 restart: Callable[[EngineCore], EngineCore] | None = None,
+                 max_restarts: int = 0,
                  gave_up: threading.Event | None = None) -> None:
         self.address = address
         self.health = health.HealthServicer()
