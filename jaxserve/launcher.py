@@ -13,7 +13,11 @@ the launcher picks, logging to the launcher's stderr):
                             --worker-address 127.0.0.1:W
 
 The worker binds a free port and announces it on stdout; the engine gets
-that address. The engine's port is picked by the launcher (``free_port``).
+that address and its process id. The engine's port is picked by the
+launcher (``free_port``). The engine supervises the worker: when it dies or
+hangs, the engine starts a replacement as its own child (in the same process
+group), so the launcher does not stop on the worker's exit, only on the api's
+or the engine's (``jaxserve.engine.service``).
 
 No orphans: the children share one new process group (so a terminal's Ctrl-C
 reaches only the launcher, which then stops them in order), and each asks the
@@ -165,7 +169,8 @@ class Launcher:
             engine_cmd.append("--in-process-worker")
         else:
             self.worker_address = _read_announcement(worker)
-            engine_cmd += ["--worker-address", self.worker_address]
+            engine_cmd += ["--worker-address", self.worker_address, "--worker-pid",
+                           str(worker.pid)]
         self._spawn("engine", engine_cmd, env)
 
     def _spawn(self, name: str, cmd: list[str], env: dict[str, str],
@@ -210,9 +215,13 @@ class Launcher:
         return time.monotonic() - start
 
     def wait(self, stop_event: threading.Event | None = None, poll_s: float = 0.5) -> int:
-        """Blocks until ``stop_event`` is set (0) or a process exits (1, logged)."""
+        """Blocks until ``stop_event`` is set (0) or the api or engine exits (1, logged).
+
+        The worker's exit is the engine's to handle (it starts a new worker,
+        or exits itself when no restart is left).
+        """
         while True:
-            gone = self.exited()
+            gone = [(name, code) for name, code in self.exited() if name != "worker"]
             if gone:
                 logger.error("server process exited: %s; stopping the others", gone)
                 return 1

@@ -180,6 +180,10 @@ class LLM:
         Returns:
           One ``RequestOutput`` per prompt, in order.
 
+        Any exception (``KeyboardInterrupt`` too) raised while it runs aborts
+        this call's requests before it propagates: the engine is left empty,
+        every KV block free, and the next call starts clean.
+
         Raises:
           ValueError: a bad prompt (empty, too long, ids outside the
             vocabulary) or a params list of the wrong length.
@@ -196,7 +200,8 @@ class LLM:
 
         Each conversation is a list of {"role", "content"} messages, rendered
         with the tokenizer's chat template (or ``chat_template``) and
-        tokenized without adding special tokens again.
+        tokenized without adding special tokens again. Exceptions leave the
+        engine empty, as in ``generate``.
         """
         conversations = ([messages] if messages and isinstance(messages[0], Mapping)
                          else list(messages))
@@ -239,32 +244,39 @@ class LLM:
                   else list(sampling_params))
         if len(params) != len(texts):
             raise ValueError(f"got {len(params)} sampling params for {len(texts)} prompts")
-        requests = {}
+        requests: dict[str, _Pending] = {}
         try:
             for text, ids, sp in zip(texts, token_ids, params):
                 rid = str(next(self._ids))
                 self.engine.add_request(EngineCoreRequest(rid, ids, sp, time.time()))
                 requests[rid] = _Pending(rid, text, ids, sp, self.tokenizer)
-        except Exception:
+            self._step_until_finished(requests, _progress(len(requests), use_tqdm))
+        except BaseException:
+            # An error or a KeyboardInterrupt leaves nothing of this call in the
+            # engine: its blocks are freed and the next call starts clean.
             self.engine.abort_requests(list(requests))
             raise
-        bar = _progress(len(requests), use_tqdm)
-        unfinished = len(requests)
-        while unfinished:
-            for out in self.engine.step():
-                pending = requests[out.request_id]
-                stopped = pending.accept(out)
-                if stopped:
-                    self.engine.abort_requests([(out.request_id, out.index)])
-                if pending.finished:
-                    unfinished -= 1
-                    if bar is not None:
-                        bar.update(1)
-            if not self.engine.has_unfinished_requests() and unfinished:
-                raise RuntimeError("the engine finished with requests still pending")
-        if bar is not None:
-            bar.close()
         return [p.result() for p in requests.values()]
+
+    def _step_until_finished(self, requests: dict[str, "_Pending"], bar: Any) -> None:
+        """Steps the engine until every request in ``requests`` has finished."""
+        unfinished = len(requests)
+        try:
+            while unfinished:
+                for out in self.engine.step():
+                    pending = requests[out.request_id]
+                    stopped = pending.accept(out)
+                    if stopped:
+                        self.engine.abort_requests([(out.request_id, out.index)])
+                    if pending.finished:
+                        unfinished -= 1
+                        if bar is not None:
+                            bar.update(1)
+                if not self.engine.has_unfinished_requests() and unfinished:
+                    raise RuntimeError("the engine finished with requests still pending")
+        finally:
+            if bar is not None:
+                bar.close()
 
 
 class _Completion:

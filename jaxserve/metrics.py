@@ -17,6 +17,7 @@ where one exists (``vllm:`` becomes ``jaxserve_``):
 | ``jaxserve_prompt_tokens_total`` | counter | prompt tokens of admitted requests |
 | ``jaxserve_request_success_total`` | counter | finished completions, by ``finished_reason`` |
 | ``jaxserve_requests_rejected_total`` | counter | requests refused, by gRPC ``code`` |
+| ``jaxserve_worker_restarts_total`` | counter | worker processes the engine started to replace a dead or hung one |
 
 The gauges read the engine's latest ``EngineStats`` (refreshed by the api
 process about once a second) when Prometheus scrapes.
@@ -68,6 +69,9 @@ class _EngineStatsCollector(Collector):
         yield CounterMetricFamily("jaxserve_recompiles_after_warmup",
                                   "Worker compiles after start-up warm-up (0 when healthy).",
                                   value=stats.num_recompiles)
+        yield CounterMetricFamily("jaxserve_worker_restarts",
+                                  "Worker processes started to replace a dead or hung one.",
+                                  value=stats.num_worker_restarts)
 
 
 class ServerMetrics:

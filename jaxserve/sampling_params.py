@@ -33,6 +33,9 @@ from typing import Any
 
 SAMPLING_EPS = 1e-5  # temperature below this is greedy (vLLM's _SAMPLING_EPS)
 MAX_LOGPROBS = 20  # most top logprobs per token, as vLLM's default max_logprobs
+# The worker's sampler widths (array shapes on the device, jaxserve/worker/sampler/metadata.py):
+MAX_LOGIT_BIAS = 64  # most logit_bias entries per request
+MAX_STOP_IDS = 16  # most stop token ids plus EOS ids (unless ignore_eos) per request
 
 _FLOAT_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty",
                  "temperature", "top_p", "min_p")
@@ -210,6 +213,26 @@ class SamplingParams:
         if not self.ignore_eos:
             ids.extend(int(i) for i in eos_token_ids)
         return tuple(dict.fromkeys(ids))
+
+    def check_sampler_limits(self, vocab_size: int, eos_token_ids: Iterable[int] = ()) -> None:
+        """Checks what the worker's sampler can run for a model of ``vocab_size`` tokens.
+
+        Raises:
+          ValueError: more than ``MAX_LOGIT_BIAS`` logit-bias entries, more
+            than ``MAX_STOP_IDS`` stop + EOS ids (``all_stop_token_ids``), or
+            a logit-bias or stop token id outside [0, vocab_size).
+        """
+        if self.logit_bias and len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias: at most {MAX_LOGIT_BIAS} entries, "
+                             f"got {len(self.logit_bias)}")
+        stop_ids = self.all_stop_token_ids(eos_token_ids)
+        if len(stop_ids) > MAX_STOP_IDS:
+            raise ValueError(f"stop_token_ids: at most {MAX_STOP_IDS} stop token ids including "
+                             f"EOS ids (unless ignore_eos), got {len(stop_ids)}")
+        for name, ids in (("logit_bias", self.logit_bias or ()), ("stop_token_ids", stop_ids)):
+            bad = [i for i in ids if not 0 <= i < vocab_size]
+            if bad:
+                raise ValueError(f"{name}: token id {bad[0]} outside [0, {vocab_size})")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain Python types (lists, dict), JSON-serializable except int keys."""

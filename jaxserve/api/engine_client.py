@@ -6,7 +6,9 @@ added (so no output can arrive unclaimed), and receives its
 ``EngineCoreOutput``s there. When the engine fails (its worker died) or the
 stream breaks, every registered queue receives an ``EngineFailure`` and the
 client stops serving (``on_failure`` callbacks run, e.g. to report
-NOT_SERVING).
+NOT_SERVING). It then tries to open the output stream again every
+``RECONNECT_S`` seconds: the engine accepts once it serves again (on a new
+worker); the client then serves again and ``on_recovery`` callbacks run.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from jaxserve.proto.engine_convert import output_from_proto, request_to_proto, s
 logger = logging.getLogger(__name__)
 
 
+RECONNECT_S = 0.5  # between attempts to open the output stream after a failure
 # Reconnect quickly while the engine starts (gRPC's default backoff grows to 2 min).
 _CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 200),
                     ("grpc.min_reconnect_backoff_ms", 200),
@@ -66,6 +69,9 @@ class EngineClient:
         self._call: grpc.aio.UnaryStreamCall | None = None
         self._task: asyncio.Task | None = None
         self._failure_callbacks: list[Callable[[str], None]] = []
+        self._recovery_callbacks: list[Callable[[], None]] = []
+        self._reconnect: asyncio.Task | None = None
+        self._closing = False
         self.info: epb.EngineInfo | None = None
         self.error = ""
         self.latest_stats: EngineStats | None = None
@@ -80,19 +86,36 @@ class EngineClient:
         try:
             self.info = await self._stub.GetEngineInfo(epb.GetEngineInfoRequest(),
                                                        wait_for_ready=True, timeout=timeout)
-            self._call = self._stub.StreamOutputs(epb.StreamOutputsRequest())
-            first = await self._call.read()  # the engine confirms the subscription
+        except grpc.aio.AioRpcError as err:
+            raise EngineError(err.code(), err.details() or "") from None
+        await self._open_stream()
+        return self.info
+
+    async def _open_stream(self) -> None:
+        """Opens ``StreamOutputs`` and starts dispatching it.
+
+        Raises:
+          EngineError: the engine refused (not serving) or did not answer.
+        """
+        call = self._stub.StreamOutputs(epb.StreamOutputsRequest())
+        try:
+            first = await call.read()  # the engine confirms the subscription
         except grpc.aio.AioRpcError as err:
             raise EngineError(err.code(), err.details() or "") from None
         if first is grpc.aio.EOF or first.error:
+            call.cancel()
             raise EngineError(grpc.StatusCode.UNAVAILABLE,
                               getattr(first, "error", "") or "the engine closed its output stream")
+        self._call = call
         self._task = asyncio.create_task(self._dispatch(), name="engine-outputs")
-        return self.info
 
     def on_failure(self, callback: Callable[[str], None]) -> None:
-        """Registers ``callback(error)``, called once when the engine fails or is lost."""
+        """Registers ``callback(error)``, called each time the engine fails or is lost."""
         self._failure_callbacks.append(callback)
+
+    def on_recovery(self, callback: Callable[[], None]) -> None:
+        """Registers ``callback()``, called each time the client serves again after a failure."""
+        self._recovery_callbacks.append(callback)
 
     @property
     def serving(self) -> bool:
@@ -100,6 +123,10 @@ class EngineClient:
 
     async def close(self) -> None:
         """Closes the output stream (the engine aborts what is left) and the channel."""
+        self._closing = True
+        if self._reconnect is not None:
+            self._reconnect.cancel()
+            await asyncio.gather(self._reconnect, return_exceptions=True)
         if self._call is not None:
             self._call.cancel()
         if self._task is not None:
@@ -201,4 +228,21 @@ class EngineClient:
             queue.put_nowait(EngineFailure(message))
         for callback in self._failure_callbacks:
             callback(message)
+        if not self._closing:
+            self._reconnect = asyncio.create_task(self._reconnect_loop(), name="engine-reconnect")
+
+    async def _reconnect_loop(self) -> None:
+        """Reopens the output stream once the engine serves again; then serves again."""
+        while True:
+            await asyncio.sleep(RECONNECT_S)
+            try:
+                await self._open_stream()
+            except EngineError as err:
+                logger.debug("engine not serving yet: %s", err.message)
+                continue
+            logger.warning("the engine serves again; so does the api")
+            self.error = ""
+            for callback in self._recovery_callbacks:
+                callback()
+            return
 

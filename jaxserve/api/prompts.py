@@ -34,12 +34,8 @@ from jaxserve.api.validation import (InvalidArgument, sampling_params_from_kwarg
                                      validate_chat, validate_request, validate_text)
 from jaxserve.proto import generate_pb2 as pb
 from jaxserve.proto.convert import sampling_params_kwargs_from_proto
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_IDS, SamplingParams
 
-# The sampler's widths (DEFAULT_LOGIT_BIAS_WIDTH, DEFAULT_BANNED_WIDTH in
-# jaxserve.worker.sampler.metadata, which imports jax; a test checks they agree).
-MAX_LOGIT_BIAS = 64
-MAX_STOP_IDS = 16
 _NO_DEFAULTS: Mapping[str, Any] = types.MappingProxyType({})
 
 

@@ -23,11 +23,12 @@ and HTTP requests the same header (else 401; ``/health`` stays open). With
 ``--ssl-certfile`` and ``--ssl-keyfile`` both transports use TLS.
 
 NOT_SERVING again when the engine fails or is lost (its requests fail with
-``UNAVAILABLE``). SIGINT / SIGTERM drains: health NOT_SERVING, new requests
-refused (``UNAVAILABLE``, HTTP 503), running ones get up to
-``--shutdown-grace`` seconds (default 30) to finish; then what is left ends
-with finish reason "abort" and the process exits 0. A second signal aborts at
-once.
+``UNAVAILABLE``); SERVING again once the engine serves again (on a new
+worker: ``EngineClient`` reopens its output stream). SIGINT / SIGTERM drains:
+health NOT_SERVING, new requests refused (``UNAVAILABLE``, HTTP 503), running
+ones get up to ``--shutdown-grace`` seconds (default 30) to finish; then what
+is left ends with finish reason "abort" and the process exits 0. A second
+signal aborts at once.
 Never imports jax.
 """
 
@@ -195,6 +196,7 @@ class ApiServer:
         loop = asyncio.get_running_loop()
         self.engine.on_failure(
             lambda error: loop.create_task(self._set_health(NOT_SERVING)))
+        self.engine.on_recovery(lambda: loop.create_task(self._set_health(SERVING)))
         refresh = asyncio.create_task(stats_refresher(self.engine)())
         await self._set_health(SERVING)
         print(READY_LINE, flush=True)

@@ -31,6 +31,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -85,16 +86,19 @@ class GrpcWorker:
         still detected by the connection closing or keepalive).
       process: the worker's ``subprocess.Popen`` when this side started it
         (its exit status then goes into the error message).
+      pid: the worker's process id when another process started it (the
+        launcher); lets ``kill`` stop a hung worker.
     """
 
     def __init__(self, address: str, *, connect_timeout: float = 120.0,
                  init_timeout: float | None = None, step_timeout: float | None = None,
-                 process: subprocess.Popen | None = None):
+                 process: subprocess.Popen | None = None, pid: int | None = None):
         self.address = address
         self.connect_timeout = connect_timeout
         self.init_timeout = init_timeout
         self.step_timeout = step_timeout
         self.process = process
+        self.pid = process.pid if process is not None else pid
         self.wire = WireStats()
         self._dead: WorkerDiedError | None = None
         self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
@@ -178,6 +182,24 @@ class GrpcWorker:
                 self.process.kill()
                 self.process.wait()
 
+    def kill(self, why: str = "killed by the engine") -> None:
+        """SIGKILLs the worker process (a hung one holds the device) and marks it dead.
+
+        Needs ``process`` or ``pid``; without them only marks it dead. A
+        ``pid`` is killed only while it still runs ``jaxserve.worker.server``
+        (it may have exited and its id been reused). Never raises.
+        """
+        if self.process is not None:
+            if self.process.poll() is None:
+                self.process.kill()
+        elif self.pid is not None and _runs_worker(self.pid):
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if self._dead is None:
+            self._died(why)
+
     # ---------------------------------------------------------------- extras
     def status(self, timeout: float = 10.0) -> WorkerStatus:
         """The worker's health and counters (answers while initializing too)."""
@@ -230,6 +252,15 @@ class GrpcWorker:
         self._dead = WorkerDiedError(f"the worker at {self.address} died: {why}{exit_note}")
         logger.error("%s", self._dead)
         return self._dead
+
+
+def _runs_worker(pid: int) -> bool:
+    """True while process ``pid`` exists and runs ``jaxserve.worker.server`` (Linux /proc)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"jaxserve.worker.server" in f.read()
+    except OSError:
+        return False
 
 
 def start_worker_process(address: str = "127.0.0.1:0", *, compilation_cache_dir: str | None = None,

@@ -105,6 +105,7 @@ class EngineStats:
     num_preemptions: int
     num_steps: int
     num_recompiles: int = 0
+    num_worker_restarts: int = 0  # worker processes started after the first (EngineLoop)
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -103,8 +103,10 @@ class Scheduler:
         Raises:
           ValueError: duplicate unfinished request id; empty prompt; prompt
             leaving no room below ``max_model_len``; token ids outside the
-            vocabulary; a prompt longer than the budget without chunked
-            prefill; ``prompt_logprobs`` (not supported).
+            vocabulary; parameters the worker's sampler cannot run
+            (``SamplingParams.check_sampler_limits``, given ``vocab_size``);
+            a prompt longer than the budget without chunked prefill.
+          NotImplementedError: ``prompt_logprobs`` (not supported).
         """
         rid, prompt, sp = request.request_id, request.prompt_token_ids, request.sampling_params
         if rid in self.groups:
@@ -114,8 +116,10 @@ class Scheduler:
         if len(prompt) >= self.max_model_len:
             raise ValueError(f"prompt has {len(prompt)} tokens; max_model_len is "
                              f"{self.max_model_len} (at least one token must be generated)")
-        if vocab_size is not None and (min(prompt) < 0 or max(prompt) >= vocab_size):
-            raise ValueError(f"prompt_token_ids must be in [0, {vocab_size})")
+        if vocab_size is not None:
+            if min(prompt) < 0 or max(prompt) >= vocab_size:
+                raise ValueError(f"prompt_token_ids must be in [0, {vocab_size})")
+            sp.check_sampler_limits(vocab_size, self.config.eos_token_ids)
         if not self.chunked_prefill and len(prompt) > self.max_num_batched_tokens:
             raise ValueError(f"prompt has {len(prompt)} tokens, more than max_num_batched_tokens "
                              f"({self.max_num_batched_tokens}) without chunked prefill")
@@ -140,10 +144,11 @@ class Scheduler:
     def abort_requests(self, ids) -> None:
         """Aborts requests (a request id) or single sequences ((request id, index)).
 
-        Unknown or finished ids are ignored. Blocks and rows are released now;
-        no output is emitted (the caller knows).
+        Unknown or finished ids are ignored, and so are repeats (a sequence
+        named twice, or by its id and its pair, ends once). Blocks and rows
+        are released now; no output is emitted (the caller knows).
         """
-        aborted = []
+        aborted: dict[int, Request] = {}  # id(req) -> req: a sequence named twice ends once
         for key in ids:
             rid, index = (key, None) if isinstance(key, str) else key
             group = self.groups.get(rid)
@@ -151,13 +156,12 @@ class Scheduler:
                 continue
             for req in group.sequences:
                 if (index is None or req.index == index) and not req.is_finished:
-                    aborted.append(req)
+                    aborted[id(req)] = req
         if not aborted:
             return
-        gone = {id(r) for r in aborted}
-        self.running = [r for r in self.running if id(r) not in gone]
-        self.waiting = collections.deque(r for r in self.waiting if id(r) not in gone)
-        for req in aborted:
+        self.running = [r for r in self.running if id(r) not in aborted]
+        self.waiting = collections.deque(r for r in self.waiting if id(r) not in aborted)
+        for req in aborted.values():
             self._finish(req, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:

@@ -13,9 +13,22 @@ imports jax): for development and tests only.
 Start-up: initialize the worker (it loads the model and compiles: the slow
 part), then bind the gRPC server, so once the port answers the engine is
 ready. It serves ``grpc.health.v1`` for "" and "jaxserve.EngineService":
-SERVING, then NOT_SERVING once a step fails (the worker died); in-flight
-requests then fail with the error (``EngineLoop``). SIGINT / SIGTERM stop it:
-the server refuses new calls, the loop stops, the worker is shut down.
+SERVING, then NOT_SERVING once a step fails (the worker died, or a step took
+longer than ``--step-timeout``); in-flight requests then fail with the error
+(``EngineLoop``).
+
+**Worker supervision.** After a failure the engine kills the old worker
+process (a hung one still holds the device), starts a new one (``python -m
+jaxserve.worker.server``, a child of this process that exits with it;
+its executables load from the persistent compilation cache), initializes it
+and serves again on a fresh ``EngineCore`` (empty scheduler, every KV block
+free): health SERVING, and the api's output stream can be opened again. At
+most ``--max-worker-restarts`` attempts in the process's life (each logged
+and counted in ``GetStats.num_worker_restarts``); then the process exits
+with status 1. ``--in-process-worker`` never restarts.
+
+SIGINT / SIGTERM stop it: the server refuses new calls, the loop stops, the
+worker is shut down.
 """
 
 from __future__ import annotations
@@ -24,7 +37,8 @@ import argparse
 import logging
 import queue
 import sys
-from collections.abc import Iterator, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 
 import grpc
@@ -32,6 +46,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from jaxserve.engine.config import SERVED_DTYPES, CacheConfig, EngineConfig, SchedulerConfig
 from jaxserve.engine.core import EngineCore
+from jaxserve.engine.grpc_worker import GrpcWorker, start_worker_process
 from jaxserve.engine.loop import EngineDeadError, EngineLoop, OutputBatch
 from jaxserve.procutil import StopSignal, setup_logging
 from jaxserve.proto import engine_pb2 as epb
@@ -80,7 +95,10 @@ class EngineServicer(epb_grpc.EngineServiceServicer):
 
     def StreamOutputs(self, request: epb.StreamOutputsRequest,
                       context: grpc.ServicerContext) -> Iterator[epb.EngineOutputBatch]:
-        q = self.loop.subscribe()
+        try:
+            q = self.loop.subscribe()
+        except EngineDeadError as err:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"the engine is not serving: {err}")
         context.add_callback(lambda: q.put(None))  # wakes the get below when the call ends
         logger.info("api process subscribed to outputs")
         try:
@@ -108,11 +126,8 @@ class EngineServicer(epb_grpc.EngineServiceServicer):
 
     def GetStats(self, request: epb.GetStatsRequest,
                  context: grpc.ServicerContext) -> epb.EngineStatsResponse:
-        try:
-            stats = self.loop.stats()
-        except EngineDeadError:
-            stats = self.loop.core.stats()  # the loop thread is gone; read directly
-        return stats_to_proto(stats, serving=self.loop.serving, error=self.loop.error)
+        return stats_to_proto(self.loop.stats(), serving=self.loop.serving,
+                              error=self.loop.error)
 
 
 def _take_batches(q: "queue.SimpleQueue[OutputBatch | None]") -> list[OutputBatch] | None:
@@ -150,16 +165,29 @@ class EngineServer:
       core: the engine core (its worker initialized).
       address: HOST:PORT to bind.
       max_workers: gRPC handler threads.
+      restart: ``restart(old_core) -> new_core`` (see ``EngineLoop``); None =
+        a failure is final.
+      max_restarts: restart attempts allowed.
+      gave_up: an event to set when the engine failed with no restart left;
+        None = a new one.
+
+    Attributes:
+      gave_up: that event.
 
     Raises:
       RuntimeError: ``address`` cannot be bound.
     """
 
-    def __init__(self, core: EngineCore, address: str, max_workers: int = 16) -> None:
-        self.core = core
+    def __init__(self, core: EngineCore, address: str, max_workers: int = 16, *,
+                 restart: Callable[[EngineCore], EngineCore] | None = None,
+                 max_restarts: int = 0,
+                 gave_up: threading.Event | None = None) -> None:
         self.address = address
         self.health = health.HealthServicer()
-        self.loop = EngineLoop(core, on_failure=self._on_failure)
+        self.gave_up = gave_up if gave_up is not None else threading.Event()
+        self.loop = EngineLoop(core, on_failure=self._on_failure, restart=restart,
+                               max_restarts=max_restarts, on_recovery=self._on_recovery,
+                               on_give_up=self.gave_up.set)
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers,
                                                              thread_name_prefix="engine-rpc"),
                                   options=[("grpc.so_reuseport", 0)])
@@ -182,12 +210,17 @@ class EngineServer:
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
+    def _on_recovery(self) -> None:
+        logger.warning("engine serving again")
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
     def stop(self, grace: float = 1.0) -> None:
         """Refuses new calls, ends the streams, stops the loop, shuts the worker down."""
         self.health.enter_graceful_shutdown()
         self.server.stop(grace=grace).wait()
         self.loop.stop()
-        self.core.shutdown()
+        self.loop.core.shutdown()
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -220,6 +253,27 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scan-layers", action="store_true",
                         help="run the layers with jax.lax.scan over stacked weights: compiles "
                              "~4x faster, decodes ~1.3x slower on the CPU (docs/model.md)")
+    parser.add_argument("--max-worker-restarts", type=_non_negative_int, default=3,
+                        help="worker processes the engine may start to replace a dead or hung "
+                             "one, in its life (default 3; 0 = a worker failure is final)")
+    parser.add_argument("--step-timeout", type=_positive_float, default=300.0,
+                        help="seconds one step may take in the worker before the worker is "
+                             "treated as hung: killed and replaced (default 300; start-up "
+                             "compilation is not a step)")
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
 
 
 def engine_flags(args: argparse.Namespace) -> list[str]:
@@ -240,6 +294,8 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
     flags.append("--async-scheduling" if args.async_scheduling else "--no-async-scheduling")
     if args.scan_layers:
         flags.append("--scan-layers")
+    flags += ["--max-worker-restarts", str(args.max_worker_restarts),
+              "--step-timeout", repr(args.step_timeout)]
     return flags
 
 
@@ -263,9 +319,45 @@ def _make_worker(args: argparse.Namespace):
 
         logger.warning("running the worker in the engine process (--in-process-worker)")
         return InProcessWorker()
-    from jaxserve.engine.grpc_worker import GrpcWorker
+    return GrpcWorker(args.worker_address, step_timeout=args.step_timeout, pid=args.worker_pid)
 
-    return GrpcWorker(args.worker_address)
+
+# How long a restarted worker process may take to import jax and listen (seconds).
+_WORKER_START_TIMEOUT_S = 300.0
+
+
+def worker_restarter(args: argparse.Namespace):
+    """``restart(old_core) -> new_core`` for ``EngineLoop``: a new worker process, a new core.
+
+    Kills the old worker (it may hang holding the device), shuts the old
+    core down, starts ``python -m jaxserve.worker.server`` as a child of
+    this process and initializes a new ``EngineCore`` on it.
+
+    Raises (from ``restart``):
+      WorkerDiedError: the new worker did not start or died initializing.
+      RuntimeError: the new worker reports another geometry.
+    """
+    config = engine_config(args)
+
+    def restart(old: EngineCore) -> EngineCore:
+        if isinstance(old.worker, GrpcWorker):
+            old.worker.kill("replaced by a new worker")
+        old.shutdown()
+        worker = start_worker_process(log_level=args.log_level,
+                                      start_timeout=_WORKER_START_TIMEOUT_S,
+                                      step_timeout=args.step_timeout)
+        try:
+            core = EngineCore(config, worker)
+            if core.geometry != old.geometry:
+                raise RuntimeError(f"the new worker reports {core.geometry}, "
+                                   f"the old one {old.geometry}")
+        except BaseException:
+            worker.kill("failed to initialize")
+            worker.shutdown()
+            raise
+        return core
+
+    return restart
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -276,6 +368,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     worker.add_argument("--worker-address", help="HOST:PORT of the worker process")
     worker.add_argument("--in-process-worker", action="store_true",
                         help="run the model in this process (development and tests)")
+    parser.add_argument("--worker-pid", type=int, default=None,
+                        help="the worker process's id (lets the engine kill it when it hangs)")
     parser.add_argument("--log-level", default="INFO")
     add_engine_arguments(parser)
     args = parser.parse_args(argv)
@@ -287,14 +381,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         logger.error("engine failed to start: %s", err)
         return 1
     stop = StopSignal()
-    server = EngineServer(core, args.address)
+    restart = None if args.in_process_worker else worker_restarter(args)
+    server = EngineServer(core, args.address, restart=restart,
+                          max_restarts=args.max_worker_restarts,
+                          gave_up=stop.event)  # giving up stops the process, like a signal
     server.start()
     logger.info("engine serving on %s", args.address)
     stop.wait()
-    logger.info("engine shutting down (signal %s)", stop.signum)
+    gave_up = stop.signum is None
+    logger.info("engine shutting down (%s)", "no worker restart left" if gave_up
+                else f"signal {stop.signum}")
     server.stop()
     logger.info("engine stopped")
-    return 0
+    return 1 if gave_up else 0
 
 
 if __name__ == "__main__":

@@ -82,8 +82,8 @@ def stats_to_proto(stats: EngineStats, *, serving: bool = True,
         kv_blocks_cached=stats.kv_blocks_cached, kv_blocks_used=stats.kv_blocks_used,
         prefix_cache_queries=stats.prefix_cache_queries,
         prefix_cache_hits=stats.prefix_cache_hits, num_preemptions=stats.num_preemptions,
-        num_steps=stats.num_steps, num_recompiles=stats.num_recompiles, serving=serving,
-        error=error)
+        num_steps=stats.num_steps, num_recompiles=stats.num_recompiles,
+        num_worker_restarts=stats.num_worker_restarts, serving=serving, error=error)
 
 
 def stats_from_proto(message: epb.EngineStatsResponse) -> EngineStats:
@@ -94,4 +94,5 @@ def stats_from_proto(message: epb.EngineStatsResponse) -> EngineStats:
         kv_blocks_cached=message.kv_blocks_cached, kv_blocks_used=message.kv_blocks_used,
         prefix_cache_queries=message.prefix_cache_queries,
         prefix_cache_hits=message.prefix_cache_hits, num_preemptions=message.num_preemptions,
-        num_steps=message.num_steps, num_recompiles=message.num_recompiles)
+        num_steps=message.num_steps, num_recompiles=message.num_recompiles,
+        num_worker_restarts=message.num_worker_restarts)

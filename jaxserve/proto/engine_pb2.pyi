@@ -122,7 +122,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineStatsResponse(_message.Message):
-    __slots__ = ("num_waiting", "num_running", "kv_blocks_total", "kv_blocks_free", "kv_blocks_cached", "kv_blocks_used", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "num_steps", "serving", "error", "num_recompiles")
+    __slots__ = ("num_waiting", "num_running", "kv_blocks_total", "kv_blocks_free", "kv_blocks_cached", "kv_blocks_used", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "num_steps", "serving", "error", "num_recompiles", "num_worker_restarts")
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +136,7 @@ class EngineStatsResponse(_message.Message):
     SERVING_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     NUM_RECOMPILES_FIELD_NUMBER: _ClassVar[int]
+    NUM_WORKER_RESTARTS_FIELD_NUMBER: _ClassVar[int]
     num_waiting: int
     num_running: int
     kv_blocks_total: int
@@ -149,4 +150,5 @@ class EngineStatsResponse(_message.Message):
     serving: bool
     error: str
     num_recompiles: int
-    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., serving: _Optional[bool] = ..., error: _Optional[str] = ..., num_recompiles: _Optional[int] = ...) -> None: ...
+    num_worker_restarts: int
+    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., serving: _Optional[bool] = ..., error: _Optional[str] = ..., num_recompiles: _Optional[int] = ..., num_worker_restarts: _Optional[int] = ...) -> None: ...

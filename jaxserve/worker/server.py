@@ -64,6 +64,25 @@ SERVER_OPTIONS = [
 ]
 STEP_ORDER_TIMEOUT_S = 120.0  # how long a plan waits for its predecessor to arrive and run
 T = TypeVar("T")
+# Test-only hook, never set in production: with JAXSERVE_TEST_HANG_ONCE=STEP:PATH
+# in its environment, the first worker process that creates PATH (exclusively)
+# hangs forever in the Execute of step id STEP, so tests can check the engine's
+# step timeout. Later processes find PATH and run normally.
+TEST_HANG_ENV = "JAXSERVE_TEST_HANG_ONCE"
+_TEST_HANG = os.environ.get(TEST_HANG_ENV, "").partition(":")
+
+
+def _test_hang(step_id: int) -> None:
+    """The test-only hang (see ``TEST_HANG_ENV``); returns at once when it is not set."""
+    step, _, path = _TEST_HANG
+    if not path or step_id != int(step):
+        return
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return
+    logger.warning("%s is set: step %d hangs forever (test hook)", TEST_HANG_ENV, step_id)
+    threading.Event().wait()
 
 
 class WorkerServicer(wpb_grpc.WorkerServiceServicer):
@@ -123,6 +142,7 @@ class WorkerServicer(wpb_grpc.WorkerServiceServicer):
     def Execute(self, request: wpb.StepPlan, context: grpc.ServicerContext) -> wpb.StepResult:
         plan = self._call(context, f"step {request.step_id}",
                           lambda: plan_codec.plan_from_proto(request))
+        _test_hang(plan.step_id)
         with self._lock:
             # A plan ahead of its turn waits; one at or behind it runs (nothing to wait for).
             if not self._lock.wait_for(lambda: plan.step_id <= self._next_step,

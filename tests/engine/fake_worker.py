@@ -14,13 +14,16 @@ cache.
 
 It also checks the contract: buckets on the ladders and large enough, rows
 freed before reuse, tokens and blocks present for every scheduled position,
-no real token written into the null block.
+no real token written into the null block, and sampling parameters the real
+worker's sampler can run (its widths; logit-bias and stop ids in the
+vocabulary).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from jaxserve.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_IDS
 from jaxserve.step_plan import Geometry, NewRow, StepPlan, StepResult, WorkerInit
 
 _MASK = (1 << 61) - 1
@@ -63,6 +66,11 @@ class FakeWorker:
     def _new_row(self, new: NewRow) -> None:
         assert new.row not in self.rows, f"row {new.row} reused before it was freed"
         assert 0 <= new.row < self.init.max_num_seqs
+        p = new.sampling_params
+        bias = dict(p.logit_bias or {})
+        stop = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
+        assert len(bias) <= MAX_LOGIT_BIAS and len(stop) <= MAX_STOP_IDS, "over the sampler widths"
+        assert all(0 <= t < self.vocab_size for t in [*bias, *stop]), "an id outside the vocabulary"
         self.rows[new.row] = dict(tokens=new.token_ids.tolist(), blocks=new.block_ids.tolist(),
                                   params=new.sampling_params)
 

@@ -175,6 +175,23 @@ def test_abort_frees_blocks_and_rows_at_any_time():
     assert tokens[("again", 0)] == reference_tokens([3] * 5, 2)
 
 
+def test_a_sequence_named_twice_in_one_abort_ends_once():
+    engine, _ = _engine(budget=16, max_num_seqs=4)
+    engine.add_request(EngineCoreRequest("pair", [7, 7, 7], SamplingParams(
+        max_tokens=50, ignore_eos=True, n=2)))
+    engine.add_request(EngineCoreRequest("solo", [5] * 9, SamplingParams(
+        max_tokens=50, ignore_eos=True)))
+    for _ in range(3):
+        engine.step()
+    engine.abort_requests([("pair", 1), ("pair", 1), "solo", ("solo", 0)])
+    assert engine.scheduler.groups["pair"].num_unfinished == 1  # sequence 0 still runs
+    engine.abort_requests(["pair"])
+    assert not engine.has_unfinished_requests()
+    s = engine.stats()
+    assert (s.kv_blocks_used, s.num_running, s.num_waiting) == (0, 0, 0)
+    assert sorted(engine.scheduler.free_rows) == [0, 1, 2, 3]
+
+
 def test_invalid_requests_are_rejected():
     engine, _ = _engine()
     engine.add_request(EngineCoreRequest("a", [1, 2], SamplingParams()))

@@ -4,7 +4,9 @@ The engine core runs on ``FakeWorker`` (jax-free, exact): requests sent
 through the service produce the same tokens and finish reasons as the same
 requests run directly on an ``EngineCore``; aborts and a closed output
 stream free every block; a worker that dies fails every in-flight request
-with its error, and the engine then reports NOT_SERVING and refuses work.
+with its error, and the engine then reports NOT_SERVING and refuses work;
+with a restart function the engine serves again on a new worker, and the
+client reopens its stream and serves again.
 """
 
 from __future__ import annotations
@@ -61,8 +63,8 @@ def _direct(requests: list[EngineCoreRequest]) -> dict[tuple[str, int], tuple]:
 class _Served:
     """An EngineServer on a free port with a connected EngineClient (use inside asyncio)."""
 
-    def __init__(self, core: EngineCore):
-        self.server = EngineServer(core, "127.0.0.1:0")
+    def __init__(self, core: EngineCore, **server_kwargs):
+        self.server = EngineServer(core, "127.0.0.1:0", **server_kwargs)
         self.address = f"127.0.0.1:{self.server.port}"
 
     async def __aenter__(self):
@@ -214,3 +216,47 @@ def test_worker_death_fails_in_flight_requests_and_stops_serving():
     assert late_code == grpc.StatusCode.UNAVAILABLE
     assert status == health_pb2.HealthCheckResponse.NOT_SERVING
     assert not client_serving and len(failures) == 1
+
+
+def test_after_worker_death_the_engine_restarts_and_the_client_serves_again():
+    doomed = [EngineCoreRequest(f"d{i}", [i + 1, 2, 3], SamplingParams(max_tokens=30,
+                                                                        ignore_eos=True))
+              for i in range(4)]
+    after = _requests(seed=11, count=3)
+    replaced = []
+
+    def restart(old: EngineCore) -> EngineCore:
+        replaced.append(old)
+        return _core()
+
+    async def run():
+        worker = _DyingWorker()
+        async with _Served(_core(worker), restart=restart, max_restarts=3) as served:
+            c = served.client
+            recovered = asyncio.Event()
+            c.on_recovery(recovered.set)
+            queues = [c.register(r.request_id) for r in doomed]
+            for r in doomed:
+                await c.add(r)
+            worker.armed.set()
+            failed = await asyncio.gather(*(_collect(c, r, q) for r, q in zip(doomed, queues)))
+            await asyncio.wait_for(recovered.wait(), 30)
+            with grpc.insecure_channel(served.address) as channel:
+                status = health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=10).status
+            queues = [c.register(r.request_id) for r in after]
+            for r in after:
+                await c.add(r)
+            results = await asyncio.gather(*(_collect(c, r, q) for r, q in zip(after, queues)))
+            stats, serving, error = await c.stats()
+            return failed, status, results, stats, serving, error, c.serving
+
+    failed, status, results, stats, serving, error, client_serving = asyncio.run(run())
+    assert all("failure" in r and "died" in r["failure"] for r in failed), failed
+    assert status == health_pb2.HealthCheckResponse.SERVING
+    merged = {k: v for r in results for k, v in r.items()}
+    assert merged == _direct(after)
+    assert len(replaced) == 1 and not replaced[0].serving
+    assert serving and not error and client_serving
+    assert stats.num_worker_restarts == 1
+    assert stats.kv_blocks_used == 0 and stats.num_running == stats.num_waiting == 0

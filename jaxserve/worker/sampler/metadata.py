@@ -21,12 +21,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.sampling_params import MAX_LOGPROBS, SAMPLING_EPS, SamplingParams
+from jaxserve.sampling_params import (MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_IDS, SAMPLING_EPS,
+                                      SamplingParams)
 
 LogprobsMode = Literal["raw", "processed"]
 LOGPROBS_MODES = ("raw", "processed")
-DEFAULT_LOGIT_BIAS_WIDTH = 64  # NB: most logit_bias entries per request
-DEFAULT_BANNED_WIDTH = 16  # NE: most stop token ids + EOS ids per request
+DEFAULT_LOGIT_BIAS_WIDTH = MAX_LOGIT_BIAS  # NB: most logit_bias entries per request
+DEFAULT_BANNED_WIDTH = MAX_STOP_IDS  # NE: most stop token ids + EOS ids per request
 
 _DATA_FIELDS = (
     "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
