@@ -33,7 +33,6 @@ import urllib.request
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from jaxserve.client import Client, JaxServeError
