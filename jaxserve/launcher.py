@@ -43,7 +43,7 @@ import sys
 import threading
 import time
 
-from jaxserve.procutil import die_with_parent, free_port, quiet_library_notices
+from jaxserve.procutil import SHUTDOWN_GRACE_ENV, die_with_parent, free_port, quiet_library_notices
 
 logger = logging.getLogger(__name__)
 
@@ -136,6 +136,8 @@ class Launcher:
         check_model_files(model)  # one line now, not a traceback in a child process later
         load_sampling_defaults(model, opts.generation_config)
         env = _env()
+        # The engine and worker outlive a group-wide SIGTERM for the api's drain.
+        env[SHUTDOWN_GRACE_ENV] = str(opts.shutdown_grace + _STOP_TIMEOUT_S)
         worker = None
         if not opts.in_process_worker:
             worker = self._spawn("worker", [
@@ -236,7 +238,7 @@ class Launcher:
 
         The api first drains: running requests get up to ``shutdown_grace``
         seconds to finish. Setting ``abort`` meanwhile (a second Ctrl-C) sends
-        the api a second SIGTERM, which ends them at once.
+        the api SIGINT, which ends them at once (a repeated SIGTERM would not).
         """
         for name in ("api", "engine", "worker"):
             proc = self.processes.get(name)
@@ -248,7 +250,7 @@ class Launcher:
             forwarded = False
             while proc.poll() is None and time.monotonic() < deadline:
                 if abort is not None and abort.is_set() and not forwarded:
-                    proc.send_signal(signal.SIGTERM)
+                    proc.send_signal(signal.SIGINT)
                     forwarded = True
                 try:
                     proc.wait(0.2)

@@ -119,3 +119,21 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+SHUTDOWN_GRACE_ENV = "JAXSERVE_SHUTDOWN_GRACE"  # seconds; set by the launcher for its children
+
+
+def shutdown_grace() -> float:
+    """Seconds an engine or worker process keeps serving after its first SIGTERM / SIGINT.
+
+    ``jaxserve serve`` drains from the api process: its engine and worker
+    must outlive the drain even when a supervisor signals every process of
+    the group at once (systemd's default ``KillMode=control-group``). The
+    launcher sets ``$JAXSERVE_SHUTDOWN_GRACE`` (its ``shutdown_grace`` plus a
+    margin); without it (a process started by hand) the answer is 0: stop at once.
+    """
+    try:
+        return max(0.0, float(os.environ.get(SHUTDOWN_GRACE_ENV, "0")))
+    except ValueError:
+        return 0.0

@@ -27,8 +27,10 @@ NOT_SERVING again when the engine fails or is lost (its requests fail with
 worker: ``EngineClient`` reopens its output stream). SIGINT / SIGTERM drains:
 health NOT_SERVING, new requests refused (``UNAVAILABLE``, HTTP 503), running
 ones get up to ``--shutdown-grace`` seconds (default 30) to finish; then what
-is left ends with finish reason "abort" and the process exits 0. A second
-signal aborts at once.
+is left ends with finish reason "abort" and the process exits 0. A SIGINT after that
+(a second Ctrl-C, passed on by the launcher) aborts at once; repeated SIGTERMs
+do not (a supervisor may signal every process of the group, and the launcher
+sends its own).
 Never imports jax.
 """
 
@@ -103,7 +105,16 @@ class ApiServer:
             await self.health.set(name, status)
 
     def stop(self) -> None:
-        """First call: drain (see ``_drain``); a second call: abort what is running now."""
+        """Drains, then stops (see ``_drain``); on SIGTERM, however often it comes.
+
+        Repeated SIGTERMs do not abort: a supervisor that signals the whole
+        process group (systemd) and the launcher both send one.
+        """
+        self._stopped.set()
+
+    def interrupt(self) -> None:
+        """SIGINT: as ``stop``; a second one (Ctrl-C again, or the launcher passing on
+        its own second signal) aborts what is running at once."""
         if self._stopped.is_set():
             self._abort_now.set()
         self._stopped.set()
@@ -333,8 +344,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     async def run() -> None:
         server = ApiServer(args)
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, server.stop)
+        loop.add_signal_handler(signal.SIGTERM, server.stop)
+        loop.add_signal_handler(signal.SIGINT, server.interrupt)
         await server.run()
 
     try:

@@ -212,6 +212,12 @@ class EngineLoop:
             self._subscribers.append(q)
         return q
 
+    @property
+    def num_subscribers(self) -> int:
+        """Output streams open now (the api process's, while it is connected)."""
+        with self._lock:
+            return len(self._subscribers)
+
     def unsubscribe(self, q: "queue.SimpleQueue[OutputBatch]") -> None:
         with self._lock:
             if q in self._subscribers:

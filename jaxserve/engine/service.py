@@ -27,8 +27,11 @@ most ``--max-worker-restarts`` attempts in the process's life (each logged
 and counted in ``GetStats.num_worker_restarts``); then the process exits
 with status 1. ``--in-process-worker`` never restarts.
 
-SIGINT / SIGTERM stop it: the server refuses new calls, the loop stops, the
-worker is shut down.
+SIGINT / SIGTERM stop it: it first keeps serving until no request is left
+unfinished, for at most ``procutil.shutdown_grace()`` seconds (the launcher
+sets it so that the api's drain completes even when every process of the
+group is signalled at once; a second signal ends the wait), then the server
+refuses new calls, the loop stops and the worker is shut down.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import logging
 import queue
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 
@@ -48,7 +52,7 @@ from jaxserve.engine.config import SERVED_DTYPES, CacheConfig, EngineConfig, Sch
 from jaxserve.engine.core import EngineCore
 from jaxserve.engine.grpc_worker import GrpcWorker, start_worker_process
 from jaxserve.engine.loop import EngineDeadError, EngineLoop, OutputBatch
-from jaxserve.procutil import StopSignal, setup_logging
+from jaxserve.procutil import StopSignal, setup_logging, shutdown_grace
 from jaxserve.proto import engine_pb2 as epb
 from jaxserve.proto import engine_pb2_grpc as epb_grpc
 from jaxserve.proto.engine_convert import output_to_proto, request_from_proto, stats_to_proto
@@ -214,6 +218,18 @@ class EngineServer:
         logger.warning("engine serving again")
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    def drain(self, timeout: float, abort: threading.Event) -> None:
+        """Keeps serving until no request is unfinished or no output stream is open (the api
+        has gone: nobody reads what is left), ``timeout`` seconds pass, or ``abort``."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and not abort.is_set() and self.loop.serving:
+            stats = self.loop.stats()
+            if stats.num_running + stats.num_waiting == 0 or not self.loop.num_subscribers:
+                return
+            logger.info("engine draining: %d running, %d waiting", stats.num_running,
+                        stats.num_waiting)
+            abort.wait(0.5)
 
     def stop(self, grace: float = 1.0) -> None:
         """Refuses new calls, ends the streams, stops the loop, shuts the worker down."""
@@ -389,6 +405,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logger.info("engine serving on %s", args.address)
     stop.wait()
     gave_up = stop.signum is None
+    if not gave_up:
+        server.drain(shutdown_grace(), abort=stop.again)
     logger.info("engine shutting down (%s)", "no worker restart left" if gave_up
                 else f"signal {stop.signum}")
     server.stop()

@@ -35,6 +35,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent import futures
 from typing import TypeVar
@@ -43,7 +44,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from jaxserve import plan_codec
-from jaxserve.procutil import StopSignal, setup_logging
+from jaxserve.procutil import StopSignal, setup_logging, shutdown_grace
 from jaxserve.proto import worker_pb2 as wpb
 from jaxserve.proto import worker_pb2_grpc as wpb_grpc
 from jaxserve.step_plan import WorkerStatus
@@ -207,9 +208,28 @@ def _watch_parent(stop: threading.Event, parent: int) -> None:
             stop.set()
 
 
+def _wait_for_stop(stop: threading.Event, signals: StopSignal | None, grace: float) -> None:
+    """Until Shutdown or the parent's exit (``stop``), or ``grace`` s after a first signal
+    (at once on a second): the engine it serves may still be draining."""
+    signalled_at = None
+    while not stop.wait(0.2):
+        if signals is None or not signals.event.is_set():
+            continue
+        if signalled_at is None:
+            signalled_at = time.monotonic()
+            if grace > 0:
+                logger.info("worker: signal %d; serving until Shutdown, at most %.0f s",
+                            signals.signum, grace)
+        if signals.again.is_set() or time.monotonic() - signalled_at >= grace:
+            return
+
+
 def serve(address: str, *, exit_with_parent: bool = False,
           announce: Callable[[str], None] | None = None) -> int:
     """Serves until Shutdown, SIGTERM / SIGINT (main thread only) or the parent's exit.
+
+    After a first signal it keeps serving until Shutdown for up to
+    ``procutil.shutdown_grace()`` seconds (0 unless the launcher set it).
 
     Args:
       address: HOST:PORT; port 0 picks a free port.
@@ -229,7 +249,7 @@ def serve(address: str, *, exit_with_parent: bool = False,
     from transformers import (AutoConfig, LlamaConfig, MistralConfig,  # noqa: F401
                               Qwen2Config, Qwen3Config)
 
-    stop = threading.Event()
+    stop = threading.Event()  # Shutdown, or the parent is gone
     health_servicer = health.HealthServicer()
     servicer = WorkerServicer(InProcessWorker, health_servicer, on_shutdown=stop.set)
     servicer._set_serving(False)
@@ -240,15 +260,14 @@ def serve(address: str, *, exit_with_parent: bool = False,
     if port == 0:
         raise RuntimeError(f"could not bind {address}")
     bound = f"{address.rsplit(':', 1)[0]}:{port}"
-    if threading.current_thread() is threading.main_thread():
-        StopSignal(stop)  # SIGTERM / SIGINT set ``stop``
+    signals = StopSignal() if threading.current_thread() is threading.main_thread() else None
     if exit_with_parent:
         threading.Thread(target=_watch_parent, args=(stop, os.getppid()), daemon=True).start()
     server.start()
     logger.info("worker listening on %s (pid %d)", bound, os.getpid())
     if announce is not None:
         announce(bound)
-    stop.wait()
+    _wait_for_stop(stop, signals, shutdown_grace())
     logger.info("worker shutting down")
     servicer.release()
     server.stop(grace=0.5).wait()  # the Shutdown reply itself is in flight here

@@ -5,12 +5,13 @@
   the engine gives up and exits with status 1, the api reports NOT_SERVING
   and refuses new requests, ``Launcher.wait`` returns 1; shutdown leaves no
   process behind. (Restarts: tests/e2e/test_worker_restart.py.)
-- ``jaxserve serve`` drains on SIGTERM: 8 requests in flight all finish
-  with "length", a request sent after the signal gets UNAVAILABLE (HTTP 503),
+- ``jaxserve serve`` drains on SIGTERM, sent to the launcher or to every
+  process at once: 8 requests in flight all finish with "length", a request
+  sent after the signal gets UNAVAILABLE (HTTP 503), exit status 0, no
+  process left.
+- With ``--shutdown-grace 0`` on SIGTERM, or on a second Ctrl-C (SIGINT)
+  during the drain, it aborts the stream in flight (finish reason "abort"):
   exit status 0, no process left.
-- With ``--shutdown-grace 0`` it stops at once on SIGTERM and on SIGINT with a
-  stream in flight (the stream ends with finish reason "abort"): exit status
-  0, no process left.
 - A SIGKILLed ``jaxserve serve`` leaves no orphans (the children die with it).
 - ``jaxserve demo`` prints a streamed answer and exits 0, leaving nothing.
 
@@ -110,7 +111,9 @@ def _in_flight(metrics_port: int) -> float:
     raise AssertionError("no jaxserve_num_sequences_in_flight gauge")
 
 
-def test_sigterm_drains_running_requests(demo_model_dir):
+@pytest.mark.parametrize("everyone", [False, True], ids=["launcher", "every-process"])
+def test_sigterm_drains_running_requests(demo_model_dir, everyone):
+    """SIGTERM to the launcher, or to every process at once (systemd's KillMode=control-group)."""
     port, http_port, metrics_port = free_port(), free_port(), free_port()
     proc = _start_cli(demo_model_dir, "serve", "--port", str(port), "--metrics-port",
                       str(metrics_port), "--http-port", str(http_port))
@@ -132,7 +135,8 @@ def test_sigterm_drains_running_requests(demo_model_dir):
             deadline = time.monotonic() + 60
             while _in_flight(metrics_port) < 8 and time.monotonic() < deadline:
                 time.sleep(0.02)  # one runs (max_num_seqs 1), seven wait
-            proc.send_signal(signal.SIGTERM)
+            for pid in [proc.pid, *(children if everyone else [])]:
+                os.kill(pid, signal.SIGTERM)
             while client.health() == "SERVING" and time.monotonic() < deadline:
                 time.sleep(0.05)
             with pytest.raises(JaxServeError) as err:
@@ -152,12 +156,14 @@ def test_sigterm_drains_running_requests(demo_model_dir):
             proc.wait()
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_serve_with_no_grace_aborts_on_a_signal(demo_model_dir, sig):
+@pytest.mark.parametrize("signals,grace", [([signal.SIGTERM], "0"),
+                                           ([signal.SIGINT, signal.SIGINT], "300")],
+                         ids=["SIGTERM-no-grace", "Ctrl-C-twice"])
+def test_serve_aborts_without_grace_or_on_a_second_ctrl_c(demo_model_dir, signals, grace):
     port, metrics_port = free_port(), free_port()
     proc = _start_cli(demo_model_dir, "serve", "--port", str(port), "--metrics-port",
                       str(metrics_port), "--http-port", str(free_port()),
-                      "--shutdown-grace", "0")
+                      "--shutdown-grace", grace)
     try:
         children = _wait_serving(proc, f"127.0.0.1:{port}")
         deltas: list = []
@@ -176,7 +182,11 @@ def test_serve_with_no_grace_aborts_on_a_signal(demo_model_dir, sig):
         while len(deltas) < 2 and time.monotonic() < deadline and reader.is_alive():
             time.sleep(0.05)
         assert len(deltas) >= 2, failure
-        proc.send_signal(sig)
+        for sig in signals:
+            n = len(deltas)
+            proc.send_signal(sig)
+            while len(deltas) < n + 2 and reader.is_alive():  # the stream goes on: draining
+                time.sleep(0.05)
         assert proc.wait(60) == 0, proc.communicate()[1][-3000:]
         reader.join(30)
         assert not failure, failure
