@@ -125,7 +125,7 @@ def run_cli(name: str, doc: str, add_arguments: Callable[[argparse.ArgumentParse
     Returns:
       (parsed arguments, the result, the JSON's path).
     """
-    parser = argparse.ArgumentParser(prog=f"jaxserve bench {name}",
+    parser = argparse.ArgumentParser(prog=f"jaxserve bench {name}", allow_abbrev=False,
                                      description=doc.splitlines()[0])
     add_arguments(parser)
     args = parser.parse_args(argv)

@@ -25,11 +25,13 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="jaxserve", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="jaxserve", description=__doc__.splitlines()[0],
+                                     allow_abbrev=False)
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module, help_text) in SUBCOMMANDS.items():
-        sub_parser = sub.add_parser(name, help=help_text, description=help_text)
+        sub_parser = sub.add_parser(name, help=help_text, description=help_text,
+                                    allow_abbrev=False)
         mod = importlib.import_module(module)
         mod.add_arguments(sub_parser)
         sub_parser.set_defaults(_module=mod, _parser=sub_parser)

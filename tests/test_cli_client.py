@@ -38,6 +38,7 @@ def test_chat_bounds_each_reply_unless_told_otherwise(server):
     proc = _cli("chat", "--server", server.target, "--max-tokens", "3", stdin="Hi\n")
     assert proc.returncode == 0, proc.stderr
     assert server.servicer.requests[-1].sampling_params.max_tokens == 3
+    assert "[the reply was cut at 3 tokens" in proc.stderr  # the user learns why it stopped
 
 
 def test_generate_sends_only_the_flags_given(server):
@@ -59,3 +60,27 @@ def test_api_key_flag_and_environment_reach_the_server(server):
     assert server.servicer.metadata[-1]["authorization"] == "Bearer k-2"
     proc = _cli("generate", "--server", server.target, "abc")
     assert "authorization" not in server.servicer.metadata[-1]
+
+
+def test_tls_ca_that_is_missing_or_not_a_certificate_is_one_line(server, tmp_path):
+    proc = _cli("generate", "--server", server.target, "--tls-ca", str(tmp_path / "no.pem"), "x")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip() == f"error: --tls-ca {tmp_path / 'no.pem'}: No such file or directory"
+    (tmp_path / "key.pem").write_text("-----BEGIN PRIVATE KEY-----\nAAAA\n")
+    proc = _cli("generate", "--server", server.target, "--tls-ca", str(tmp_path / "key.pem"), "x")
+    assert proc.returncode == 1 and "not a PEM certificate" in proc.stderr
+
+
+def test_an_http_port_gets_a_hint_not_start_a_server():
+    import http.server
+    import threading
+
+    httpd = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        proc = _cli("generate", "--server", f"127.0.0.1:{httpd.server_port}", "--timeout", "20",
+                    "x")
+    finally:
+        httpd.shutdown()
+    assert proc.returncode == 1
+    assert "not gRPC" in proc.stderr and "start one with" not in proc.stderr

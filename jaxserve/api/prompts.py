@@ -103,10 +103,15 @@ class RequestPreparer:
         """The chat rendered by the tokenizer's chat template.
 
         Raises:
-          InvalidArgument: no messages, a message without a role, or a chat
-            the template refuses (its error message).
+          InvalidArgument: no messages, a message without a role, a model
+            without a chat template, or a chat the template refuses (its error
+            message).
         """
         validate_chat(chat.messages, field=field)
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidArgument(field, "this model has no chat template (its "
+                                         "tokenizer_config.json sets none); send a text prompt "
+                                         "instead (completions)")
         add_generation_prompt = (chat.add_generation_prompt
                                  if chat.HasField("add_generation_prompt") else True)
         messages = [{"role": m.role, "content": m.content} for m in chat.messages]

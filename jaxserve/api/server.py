@@ -8,8 +8,9 @@ reflection) and the OpenAI-compatible HTTP API — over one ``RequestRunner``.
 Started by ``jaxserve serve`` (``jaxserve.launcher``). Start-up: bind the
 ports at once (health NOT_SERVING, HTTP 503), load the tokenizer and the
 model's default sampling parameters (``--generation-config``,
-``jaxserve.generation_config``), wait for the engine process (``EngineClient.connect``: it is ready once its worker has
-loaded and compiled the model), then report SERVING for "" and
+``jaxserve.generation_config``), wait for the engine process
+(``EngineClient.connect``: it is ready once its worker has loaded and
+compiled the model), then report SERVING for "" and
 "jaxserve.GenerateService" and answer HTTP requests. Server reflection lists
 GenerateService and Health. Prometheus metrics (``jaxserve.metrics``) are
 served over HTTP on ``--metrics-port`` (0 = off). Both transports share the
@@ -20,7 +21,8 @@ Security: with an API key (``$JAXSERVE_API_KEY``, set by ``jaxserve serve
 --api-key``), gRPC calls of GenerateService need metadata ``authorization:
 Bearer <key>`` (else ``UNAUTHENTICATED``; health and reflection stay open)
 and HTTP requests the same header (else 401; ``/health`` stays open). With
-``--ssl-certfile`` and ``--ssl-keyfile`` both transports use TLS.
+``--ssl-certfile`` and ``--ssl-keyfile`` both transports use TLS. The
+metrics port stays plain HTTP without a key (bind it to a private address).
 
 NOT_SERVING again when the engine fails or is lost (its requests fail with
 ``UNAVAILABLE``); SERVING again once the engine serves again (on a new
@@ -41,7 +43,6 @@ import asyncio
 import logging
 import os
 import pathlib
-import secrets
 import signal
 import sys
 from collections.abc import Sequence
@@ -53,7 +54,7 @@ from grpc_reflection.v1alpha import reflection
 
 from jaxserve.api.engine_client import EngineClient, EngineError
 from jaxserve.api.generate_service import SERVICE_NAME, GenerateServicer, stats_refresher
-from jaxserve.api.openai.app import HttpFrontEnd, http_server
+from jaxserve.api.openai.app import HttpFrontEnd, bearer_token_matches, http_server
 from jaxserve.api.prompts import RequestPreparer
 from jaxserve.api.runner import RequestRunner
 from jaxserve.generation_config import AUTO, generation_config_source, load_sampling_defaults
@@ -159,6 +160,9 @@ class ApiServer:
                                    f"{args.host}:{args.metrics_port}: {err.strerror}") from None
             logger.info("metrics on http://%s:%d/metrics", args.host, args.metrics_port)
         tokenizer = await asyncio.to_thread(load_tokenizer, args.model)
+        if not getattr(tokenizer, "chat_template", None):
+            logger.warning("the model has no chat template: chat requests will be refused "
+                           "(INVALID_ARGUMENT / HTTP 400); text prompts work")
         try:
             defaults = await asyncio.to_thread(load_sampling_defaults, args.model,
                                                args.generation_config)
@@ -253,7 +257,7 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     """
 
     def __init__(self, api_key: str) -> None:
-        self._expected = f"Bearer {api_key}".encode()
+        self._api_key = api_key
 
         async def refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED,
@@ -267,9 +271,9 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         if not details.method.startswith(f"/{SERVICE_NAME}/"):
             return await continuation(details)
         given = dict(details.invocation_metadata or ()).get("authorization", "")
-        if isinstance(given, str):
-            given = given.encode()
-        if secrets.compare_digest(given, self._expected):
+        if isinstance(given, bytes):
+            given = given.decode(errors="replace")
+        if bearer_token_matches(given, self._api_key):
             return await continuation(details)
         return (self._refuse_stream if details.method.endswith("/Generate")
                 else self._refuse_unary)
@@ -304,7 +308,7 @@ def _model_name(model: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m jaxserve.api.server",
+    parser = argparse.ArgumentParser(prog="python -m jaxserve.api.server", allow_abbrev=False,
                                      description="jaxserve's api process")
     parser.add_argument("--engine-address", required=True, help="HOST:PORT of the engine process")
     parser.add_argument("--model", required=True, help="the model directory (for its tokenizer)")

@@ -54,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
                 continue
             history.append({"role": "user", "content": message})
             parts = []
+            last = None
             try:
                 for delta in client.stream(messages=history, **sampling_kwargs(args)):
                     if not parts:
@@ -61,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
                     sys.stdout.write(delta.text)
                     sys.stdout.flush()
                     parts.append(delta.text)
+                    last = delta
             except JaxServeError as err:
                 if parts:
                     sys.stdout.write("\n")
@@ -69,4 +71,7 @@ def run(args: argparse.Namespace) -> int:
                 history.pop()
                 continue
             sys.stdout.write("\n")
+            if last is not None and last.finish_reason == "length":
+                print(f"[the reply was cut at {last.usage.completion_tokens} tokens; "
+                      f"--max-tokens sets the limit]", file=sys.stderr)
             history.append({"role": "assistant", "content": "".join(parts)})

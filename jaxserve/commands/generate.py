@@ -57,8 +57,13 @@ def client_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """``Client`` keyword arguments from the connection flags (``--timeout``, key, TLS)."""
     roots = None
     if args.tls_ca:
-        with open(args.tls_ca, "rb") as f:
-            roots = f.read()
+        try:
+            with open(args.tls_ca, "rb") as f:
+                roots = f.read()
+        except OSError as err:
+            raise SystemExit(f"error: --tls-ca {args.tls_ca}: {err.strerror}") from None
+        if b"-----BEGIN CERTIFICATE-----" not in roots:
+            raise SystemExit(f"error: --tls-ca {args.tls_ca}: not a PEM certificate")
     return dict(timeout=args.timeout, api_key=args.api_key, tls=args.tls,
                 root_certificates=roots)
 
@@ -78,7 +83,19 @@ def error_message(err: Any, server: str) -> str:
     When nothing answers at ``server``, it says how to start a server.
     """
     line = f"error: {err.code.name}: {err.message}"
-    if err.code.name == "UNAVAILABLE" and "failed to connect" in err.message.lower():
+    message = err.message.lower()
+    if err.code.name != "UNAVAILABLE":
+        return line
+    if "http1.x" in message or "http/1" in message or "parsing http/2" in message:
+        return line + (f"\n{server} answers HTTP/1.1, not gRPC: is it the HTTP (OpenAI API) "
+                       f"port? jaxserve's gRPC port is 50051 unless --port says otherwise")
+    if "certificate_verify_failed" in message or "certificate verify failed" in message:
+        return line + ("\nthe server's TLS certificate is not trusted: pass it with "
+                       "--tls-ca CERT.pem (a self-signed --ssl-certfile)")
+    if "socket closed" in message or "ssl" in message or "handshake" in message:
+        return line + ("\nthe connection was closed during set-up: if the server uses TLS "
+                       "(--ssl-certfile), pass --tls or --tls-ca CERT.pem")
+    if "failed to connect" in message:
         line += (f"\nno jaxserve server answers at {server}; start one with "
                  f"`jaxserve serve --model MODEL_DIR` (or `jaxserve serve` for the demo model), "
                  f"or pass --server HOST:PORT")

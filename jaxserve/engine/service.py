@@ -377,7 +377,7 @@ def worker_restarter(args: argparse.Namespace):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jaxserve.engine.service",
+    parser = argparse.ArgumentParser(prog="python -m jaxserve.engine.service", allow_abbrev=False,
                                      description="jaxserve's engine process")
     parser.add_argument("--address", required=True, help="HOST:PORT to serve EngineService on")
     worker = parser.add_mutually_exclusive_group(required=True)

@@ -275,7 +275,7 @@ def serve(address: str, *, exit_with_parent: bool = False,
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jaxserve.worker.server",
+    parser = argparse.ArgumentParser(prog="python -m jaxserve.worker.server", allow_abbrev=False,
                                      description="jaxserve's worker (device) process")
     parser.add_argument("--address", required=True,
                         help="HOST:PORT to serve WorkerService on (port 0: any free port)")

@@ -46,10 +46,13 @@ def test_every_endpoint_is_503_until_the_engine_is_ready(client):
 
 def test_api_key_comes_first_and_health_stays_open(client):
     for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": KEY}):
-        error = _error(client.post("/v1/completions", json={"prompt": "x"}, headers=headers), 401)
-        assert error["type"] == "authentication_error"
+        reply = client.post("/v1/completions", json={"prompt": "x"}, headers=headers)
+        assert _error(reply, 401)["type"] == "authentication_error"
+        assert reply.headers["WWW-Authenticate"] == "Bearer"
     _error(client.get("/v1/models"), 401)
     _error(client.get("/health"), 503)  # no key needed: the answer is "starting", not 401
+    # The scheme is case-insensitive (RFC 7235): past the key check, to "starting".
+    _error(client.get("/v1/models/x", headers={"Authorization": f"bearer {KEY}"}), 503)
 
 
 @pytest.mark.parametrize("body,param", [
@@ -57,6 +60,9 @@ def test_api_key_comes_first_and_health_stays_open(client):
     ({"prompt": "x", "foo": 1}, "foo"),
     ({"prompt": {"a": 1}}, "prompt"),
     ({"prompt": "x", "stream_options": {"include_usage": "maybe"}}, "stream_options.include_usage"),
+    ({"prompt": "x", "max_tokens": "5"}, "max_tokens"),  # strict: OpenAI refuses these too
+    ({"prompt": "x", "max_tokens": True}, "max_tokens"),
+    ({"prompt": "x", "stream": "yes"}, "stream"),
     ({}, "prompt"),
 ])
 def test_malformed_bodies_name_the_parameter(client, body, param):
@@ -68,6 +74,10 @@ def test_body_that_is_not_json(client):
     error = _error(client.post("/v1/completions", content=b"{nope", headers={
         **AUTH, "Content-Type": "application/json"}), 400)
     assert error["param"] is None and "JSON" in error["message"]
+    for headers in ({"Content-Type": "text/plain"}, {}):  # a JSON text sent as something else
+        error = _error(client.post("/v1/completions", content=b'{"prompt": "x"}',
+                                   headers={**AUTH, **headers}), 400)
+        assert "Content-Type: application/json" in error["message"]
 
 
 def test_unknown_path_is_404_in_openai_shape(client):

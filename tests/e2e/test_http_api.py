@@ -117,6 +117,8 @@ def test_models_health_tokenize_detokenize(server, http):
     assert httpx.get(server.base_url + "/health", verify=server.tls).status_code == 200
     models = http.get("/v1/models").json()
     assert [m["id"] for m in models["data"]] == [MODEL]
+    assert http.get(f"/v1/models/{MODEL}").json() == models["data"][0]
+    assert http.get("/v1/models/other").status_code == 404
     assert models["data"][0]["max_model_len"] == ENGINE["max_model_len"]
     tokens = http.post("/tokenize", json={"prompt": PROMPT}).json()
     assert tokens["count"] == len(tokens["tokens"]) > 3
@@ -145,6 +147,10 @@ def test_completions_whole_and_streamed_match_grpc(oai, grpc_client):
     assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16
     assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+    running = [c.usage.completion_tokens for c in oai.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True})]
+    assert running == sorted(running) and running[-1] == 16  # the usage so far, every chunk
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
 
 
@@ -226,7 +232,9 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "x", "seed": "x"}, 400, "seed"),
     ("completions", {"prompt": "x", "frequency_penalty": 5}, 400, "frequency_penalty"),
     ("completions", {"prompt": "x", "suffix": "y"}, 400, "suffix"),
+    ("completions", {"prompt": "x", "max_tokens": "5"}, 400, "max_tokens"),
     ("chat/completions", {"messages": []}, 400, "messages"),
+    ("chat/completions", {"messages": [{"role": "user"}]}, 400, "messages[0].content"),
     ("chat/completions", {"messages": [{"content": "hi"}]}, 400, "messages[0].role"),
     ("chat/completions", {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, 400,

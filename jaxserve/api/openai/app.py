@@ -76,7 +76,19 @@ class HttpFrontEnd:
 
 
 def _error(err: ApiError) -> JSONResponse:
-    return JSONResponse(error_body(err), status_code=http_status(err))
+    headers = {}
+    if err.code == grpc.StatusCode.UNAUTHENTICATED:
+        headers["WWW-Authenticate"] = "Bearer"
+    elif err.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        headers["Retry-After"] = "1"
+    return JSONResponse(error_body(err), status_code=http_status(err), headers=headers)
+
+
+def bearer_token_matches(header: str, key: str) -> bool:
+    """``header`` is ``Bearer <key>`` (the scheme case-insensitive, RFC 7235); constant time."""
+    scheme, _, token = header.strip().partition(" ")
+    return scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(),
+                                                                 key.encode())
 
 
 def _param(loc: tuple[Any, ...]) -> str | None:
@@ -137,8 +149,7 @@ def build_app(front: HttpFrontEnd) -> FastAPI:
     async def authenticate(request: Request,
                            call_next: Callable[[Request], Awaitable[Response]]) -> Response:
         if front.api_key is not None and request.url.path not in _OPEN_PATHS:
-            header = request.headers.get("authorization", "")
-            if not secrets.compare_digest(header.encode(), f"Bearer {front.api_key}".encode()):
+            if not bearer_token_matches(request.headers.get("authorization", ""), front.api_key):
                 return _error(ApiError(grpc.StatusCode.UNAUTHENTICATED,
                                        "a valid API key is required (Authorization: Bearer "
                                        "<key>)"))
@@ -153,6 +164,9 @@ def build_app(front: HttpFrontEnd) -> FastAPI:
         first = err.errors()[0]
         if first.get("type") == "json_invalid":
             message, param = f"the request body is not valid JSON: {first.get('msg')}", None
+        elif tuple(first.get("loc", ())) == ("body",):
+            message, param = ("the request body must be a JSON object (send Content-Type: "
+                              "application/json)"), None
         else:
             param = _param(tuple(first.get("loc", ())))
             message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
@@ -181,6 +195,15 @@ def build_app(front: HttpFrontEnd) -> FastAPI:
         return {"object": "list", "data": [{
             "id": runner.model_name, "object": "model", "created": int(time.time()),
             "owned_by": "jaxserve", "max_model_len": runner.preparer.max_model_len}]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        listed = await models()
+        for entry in listed["data"]:
+            if entry["id"] == model_id:
+                return entry
+        check_model(front._serving().runner, model_id)  # raises 404
+        raise AssertionError("unreachable")
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:

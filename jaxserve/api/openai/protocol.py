@@ -24,13 +24,17 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: "5" is not an integer nor true a number (OpenAI answers 400 too);
+    # an integer is still a valid float.
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(_Body):
-    """``stream_options``: ``include_usage`` adds a last chunk with the usage."""
+    """``stream_options``: ``include_usage`` adds a last chunk with the usage;
+    ``continuous_usage_stats`` (vLLM's) puts the usage so far in every chunk."""
 
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class SamplingFields(_Body):

@@ -150,6 +150,9 @@ class OpenAIServing:
         messages = []
         for i, message in enumerate(body.messages):
             content = message.content
+            if content is None and message.role != "assistant":
+                raise bad_request(self.runner, f"messages[{i}].content",
+                                  f"required for a {message.role!r} message")
             if isinstance(content, list):
                 parts = []
                 for j, part in enumerate(content):
@@ -186,7 +189,9 @@ class OpenAIServing:
         return OpenAIResult(self, kind, request_id, started, prepared, echo=echo,
                             include_usage=bool(body.stream_options
                                                and body.stream_options.include_usage),
-                            as_ids=body.return_tokens_as_token_ids)
+                            as_ids=body.return_tokens_as_token_ids,
+                            continuous_usage=bool(body.stream_options and body.stream_options
+                                                  .continuous_usage_stats))
 
     # ---------------------------------------------------------- completions
     async def completions(self, body: CompletionRequest) -> "OpenAIResult":
@@ -282,11 +287,14 @@ class OpenAIResult:
       echo: per prompt, text to prepend to each choice (completions ``echo``), or None.
       include_usage: streamed: end with a chunk carrying ``usage``.
       as_ids: logprob tokens as ``"token_id:<id>"``.
+      continuous_usage: streamed: every chunk carries the usage so far (vLLM's
+        ``stream_options.continuous_usage_stats``).
     """
 
     def __init__(self, serving: OpenAIServing, kind: str, request_id: str,
                  running: list[RunningRequest], prepared: list[PreparedRequest], *,
-                 echo: list[str] | None, include_usage: bool, as_ids: bool) -> None:
+                 echo: list[str] | None, include_usage: bool, as_ids: bool,
+                 continuous_usage: bool = False) -> None:
         self.serving = serving
         self.kind = kind
         self.id = request_id
@@ -300,7 +308,8 @@ class OpenAIResult:
         self.model = serving.runner.model_name
         self._prompt_tokens = [len(p.prompt_token_ids) for p in prepared]
         self._cached = [0] * len(prepared)
-        self._completion_tokens: dict[int, int] = {}
+        self._completion_tokens: dict[int, int] = {}  # choice index -> tokens sent so far
+        self.continuous_usage = continuous_usage
 
     def close(self) -> None:
         """Aborts every request that has not finished (idempotent)."""
@@ -341,10 +350,10 @@ class OpenAIResult:
             self.close()
 
     def _account(self, index: int, response: pb.GenerateResponse) -> None:
+        self._completion_tokens[index] = (self._completion_tokens.get(index, 0)
+                                          + len(response.token_ids))
         if response.HasField("finished"):
-            finished = response.finished
-            self._completion_tokens[index] = finished.completion_tokens
-            self._cached[index // self.n] = finished.cached_prompt_tokens
+            self._cached[index // self.n] = response.finished.cached_prompt_tokens
 
     def usage(self) -> dict[str, Any]:
         """OpenAI ``usage`` (with ``prompt_tokens_details.cached_tokens``)."""
@@ -447,8 +456,8 @@ class OpenAIResult:
     def _chunk(self, kind: str, choices: list[dict[str, Any]], **extra: Any) -> str:
         chunk = {"id": self.id, "object": kind, "created": self.created, "model": self.model,
                  "choices": choices}
-        if self.include_usage:
-            chunk["usage"] = None
+        if self.include_usage or self.continuous_usage:
+            chunk["usage"] = self.usage() if self.continuous_usage else None
         chunk.update(extra)
         return "data: " + json.dumps(chunk, ensure_ascii=False) + "\n\n"
 
