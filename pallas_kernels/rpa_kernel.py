@@ -50,12 +50,27 @@ def next_pow2(x: int) -> int:
 
 
 def num_query_tiles(num_tokens: int, num_rows: int, block_q: int) -> int:
-    """Static bound on the query tiles of a step: NT = ceil(T / block_q) + R + 1.
+    """Static bound on the query tiles of a step: NT = min(T, ceil(T / block_q) + R).
 
-    Row r (and the padding pseudo-row) needs ceil(len_r / block_q) tiles, and
-    sum_r ceil(len_r / q) < sum_r len_r / q + (R + 1) = T / q + R + 1.
+    The step's T tokens fall into R + 1 segments (the R rows and the padding
+    pseudo-row), segment i holding len_i tokens with sum_i len_i = T; segment i
+    needs ceil(len_i / block_q) tiles. Since ceil(a) + ceil(b) <= ceil(a + b) + 1,
+    the R + 1 segments need at most ceil(T / block_q) + R tiles; and a segment
+    with tokens needs at most one tile per token, so at most T in all. Rows
+    with no tokens (padding rows) need no tile, so NT never exceeds T whatever
+    R (the worker's R = min(T, max_num_seqs)): a batch-1 decode in the T = 1
+    bucket is one tile at any ``max_num_seqs``.
     """
-    return -(-num_tokens // block_q) + num_rows + 1
+    return min(num_tokens, -(-num_tokens // block_q) + num_rows)
+
+
+def query_block(tuning: TuningConfig, *, num_tokens: int, num_heads: int,
+                num_kv_heads: int) -> int:
+    """Tokens per query tile (block_q) of one call: the tile's M rows over pow2(G)."""
+    group_pad = next_pow2(num_heads // num_kv_heads)
+    decode_shaped = num_tokens <= tuning.decode_max_tokens
+    block_m = max(tuning.decode_block_m if decode_shaped else tuning.block_m, group_pad)
+    return block_m // group_pad
 
 
 def tile_schedule(query_start_loc: jax.Array, seq_lens: jax.Array, *, num_tokens: int,
@@ -245,23 +260,23 @@ def cost_estimate(*, num_tokens: int, num_rows: int, num_heads: int, num_kv_head
 def ragged_paged_attention_pallas(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, *,
                                   sm_scale: float, sliding_window: int | None,
                                   soft_cap: float | None, tuning: TuningConfig,
-                                  interpret: bool) -> jax.Array:
+                                  interpret: bool, tiles: jax.Array | None = None) -> jax.Array:
     """Runs the kernel (and the split-K combine); arguments as ``ragged_paged_attention``.
 
-    Shapes are assumed checked by the caller. Returns [T, N, H] in q's dtype.
+    Shapes (``tiles`` included) are assumed checked by the caller; ``tiles``
+    None computes the tile schedule here. Returns [T, N, H] in q's dtype.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_blocks, num_kv_heads, block_size, _ = k_cache.shape
     num_rows, max_blocks = block_table.shape
     group_pad = next_pow2(num_heads // num_kv_heads)
-    max_context = max_blocks * block_size
-    decode_shaped = num_tokens <= tuning.decode_max_tokens
-    block_m = max(tuning.decode_block_m if decode_shaped else tuning.block_m, group_pad)
-    block_q = block_m // group_pad
+    block_q = query_block(tuning, num_tokens=num_tokens, num_heads=num_heads,
+                          num_kv_heads=num_kv_heads)
+    block_m = block_q * group_pad
     num_splits = num_kv_splits(tuning, num_tokens=num_tokens, num_rows=num_rows,
-                               num_kv_heads=num_kv_heads, max_context=max_context)
-
-    tiles = tile_schedule(query_start_loc, seq_lens, num_tokens=num_tokens, block_q=block_q)
+                               num_kv_heads=num_kv_heads, max_context=max_blocks * block_size)
+    if tiles is None:
+        tiles = tile_schedule(query_start_loc, seq_lens, num_tokens=num_tokens, block_q=block_q)
     num_q_rows = num_tokens * num_heads
     if num_splits == 1:
         out_shape = jax.ShapeDtypeStruct((num_q_rows, head_dim), q.dtype)
