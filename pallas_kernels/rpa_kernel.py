@@ -158,9 +158,10 @@ def _rpa_kernel(tiles_ref, block_table_ref, q_ref, k_ref, v_ref, *out_refs, num_
         lo = jnp.maximum(q_start + pos_offset - sliding_window + 1, 0)
         lo = (lo // block_kv) * block_kv
     num_iters = jnp.maximum((hi - lo + block_kv - 1) // block_kv, 0)
-    per_split = (num_iters + num_splits - 1) // num_splits
-    it_lo = split * per_split
-    it_hi = jnp.minimum(it_lo + per_split, num_iters)
+    # Split s takes iterations [s·n / NS, (s + 1)·n / NS): shares differ by at most one
+    # tile, and a split is empty only when the tile has fewer than NS key tiles.
+    it_lo = (split * num_iters) // num_splits
+    it_hi = ((split + 1) * num_iters) // num_splits
 
     def body(it, carry):
         m, l, acc = carry  # [M], [M], [M, H] f32; m in log2 units
