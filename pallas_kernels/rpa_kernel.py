@@ -163,12 +163,22 @@ def _rpa_kernel(tiles_ref, block_table_ref, q_ref, k_ref, v_ref, *out_refs, num_
     it_lo = (split * num_iters) // num_splits
     it_hi = ((split + 1) * num_iters) // num_splits
 
-    def body(it, carry):
-        m, l, acc = carry  # [M], [M], [M, H] f32; m in log2 units
-        k_pos = lo + it * block_kv + jnp.arange(block_kv, dtype=jnp.int32)  # [BKV]
-        kv_ok = k_pos < hi  # [BKV]
+    def key_positions(it):  # [BKV] positions of key tile ``it`` and which are live
+        k_pos = lo + it * block_kv + jnp.arange(block_kv, dtype=jnp.int32)
+        return k_pos, k_pos < hi
+
+    def block_ids(it):  # [BKV] physical block of each key of tile ``it`` (0 past hi)
+        k_pos, kv_ok = key_positions(it)
         col = jnp.minimum(k_pos // block_size, max_blocks - 1)
-        blk = plgpu.load(block_table_ref.at[row, col], mask=kv_ok, other=0)  # [BKV]
+        return plgpu.load(block_table_ref.at[row, col], mask=kv_ok, other=0)
+
+    def body(it, carry):
+        # m [M], l [M], acc [M, H] f32 (m in log2 units); blk [BKV] this tile's block
+        # ids, read one iteration ahead so that the K/V gathers need not wait for the
+        # block-table load (software pipelining of the table read).
+        m, l, acc, blk = carry
+        next_blk = block_ids(it + 1)  # masked past hi: never reads past the row
+        k_pos, kv_ok = key_positions(it)  # [BKV]
         kv_rows = (blk * num_kv_heads + kv_head) * block_size + k_pos % block_size
         kv_rows = jnp.where(kv_ok, kv_rows, 0)  # [BKV]
         k = plgpu.load(k_ref.at[kv_rows[:, None], cols[None, :]], mask=kv_ok[:, None],
@@ -189,11 +199,11 @@ def _rpa_kernel(tiles_ref, block_table_ref, q_ref, k_ref, v_ref, *out_refs, num_
                        other=0.0)  # [BKV, H]
         pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
                                  preferred_element_type=jnp.float32)  # [M, H]
-        return m_new, l, acc * alpha[:, None] + pv
+        return m_new, l, acc * alpha[:, None] + pv, next_blk
 
     init = (jnp.full((block_m,), MASK_VALUE, jnp.float32), jnp.zeros((block_m,), jnp.float32),
-            jnp.zeros((block_m, head_dim), jnp.float32))
-    m, l, acc = jax.lax.fori_loop(it_lo, it_hi, body, init)
+            jnp.zeros((block_m, head_dim), jnp.float32), block_ids(it_lo))
+    m, l, acc, _ = jax.lax.fori_loop(it_lo, it_hi, body, init)
 
     if num_splits == 1:
         (o_ref,) = out_refs
