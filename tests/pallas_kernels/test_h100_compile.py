@@ -8,10 +8,10 @@ limit. Skipped when the plugin is absent (the default environment).
 
 Each compile dumps XLA's thunk sequence, from which the kernel's launch grid,
 threads and shared memory are read and printed (``pytest -s``). The served
-step of a Llama-3-8B-shaped model (two of its 32 layers, full widths and
-vocabulary, bfloat16) is compiled too: its thunk sequence must hold no
-``kWhile`` / ``kConditional`` (each would make the GPU wait on the host) and
-every kernel's shared memory must fit the H100.
+step of a Llama-3-8B-shaped model (all 32 layers, full widths and
+vocabulary, abstract bfloat16 weights) is compiled too: its thunk sequence
+must hold no ``kWhile`` / ``kConditional`` (each would make the GPU wait on
+the host) and every kernel's shared memory must fit the H100.
 """
 
 import os
@@ -106,14 +106,14 @@ def test_shared_memory_overflow_is_caught(h100):
 
 @pytest.fixture(scope="module")
 def llama3_8b_ladder():
-    """Body and sampler executables of a Llama-3-8B-shaped model: 2 layers, M = 256, 8k."""
+    """Body and sampler executables of a Llama-3-8B-shaped model: M = 256, 8k context."""
     from benchmarks.llama8b_decode import llama3_8b  # noqa: PLC0415
     from jaxserve.model.kv_cache import kv_cache_shapes  # noqa: PLC0415
     from jaxserve.model.loader import abstract_model  # noqa: PLC0415
     from jaxserve.worker.executables import LadderShapes, ladder_executables  # noqa: PLC0415
     from jaxserve.worker.rows import RowState  # noqa: PLC0415
 
-    config = llama3_8b(layers=2)
+    config = llama3_8b()
     graphdef, state = abstract_model(config, jnp.bfloat16)
     kv = kv_cache_shapes(config, 4096, 16, jnp.bfloat16)
     rows = RowState(256, 8192, 16, config.vocab_size, config.eos_token_ids)
