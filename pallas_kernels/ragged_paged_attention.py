@@ -34,7 +34,34 @@ from pallas_kernels import rpa_kernel
 from pallas_kernels.rpa_reference import check_shapes, ragged_paged_attention_reference
 from pallas_kernels.tuning import TuningConfig, tuning_for
 
-__all__ = ["ragged_paged_attention", "ragged_paged_attention_reference"]
+__all__ = ["attention_schedule", "ragged_paged_attention", "ragged_paged_attention_reference"]
+
+
+def attention_schedule(query_start_loc: jax.Array, seq_lens: jax.Array, *, num_tokens: int,
+                       num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype,
+                       tuning: TuningConfig | None = None) -> jax.Array:
+    """The kernel's tile schedule for one step, to compute once and pass to every layer.
+
+    Every layer's call of a step shares the metadata, so the schedule (which
+    query tokens each program serves: a few small XLA ops, T x (R + 1)
+    compares and no loop) can be computed once per step and handed to each
+    ``ragged_paged_attention`` call as ``tiles``.
+
+    Args:
+      query_start_loc: i32[R + 1]. seq_lens: i32[R].
+      num_tokens: T. num_heads: N. num_kv_heads: K. head_dim: H. block_size: S.
+      dtype: q's and the cache's dtype. tuning: as ``ragged_paged_attention``.
+
+    Returns:
+      i32[NT, 5] with NT = ``num_query_tiles(T, R, block_q)`` (see
+      ``rpa_kernel.tile_schedule``).
+    """
+    if tuning is None:
+        tuning = tuning_for(head_dim, block_size, dtype)
+    block_q = rpa_kernel.query_block(tuning, num_tokens=num_tokens, num_heads=num_heads,
+                                     num_kv_heads=num_kv_heads)
+    return rpa_kernel.tile_schedule(query_start_loc, seq_lens, num_tokens=num_tokens,
+                                    block_q=block_q)
 
 
 @functools.partial(
@@ -52,6 +79,7 @@ def ragged_paged_attention(
     soft_cap: float | None = None,
     interpret: bool = False,
     tuning: TuningConfig | None = None,
+    tiles: jax.Array | None = None,
 ) -> jax.Array:
     """Causal attention of ragged query rows over a paged KV cache: the Pallas kernel.
 
@@ -79,13 +107,15 @@ def ragged_paged_attention(
       soft_cap: if set, scores become ``soft_cap * tanh(scores / soft_cap)``.
       interpret: run in Pallas interpret mode (any backend, e.g. CPU tests).
       tuning: kernel variant; default ``tuning_for(H, S, dtype)``.
+      tiles: i32[NT, 5], the step's ``attention_schedule`` (same tuning)
+        computed once for all layers; None computes it in this call.
 
     Returns:
       [T, N, H] attention output in q's dtype.
 
     Raises:
-      ValueError: on inconsistent shapes, N not a multiple of K, or q and the
-        cache in different dtypes.
+      ValueError: on inconsistent shapes (``tiles`` included), N not a
+        multiple of K, or q and the cache in different dtypes.
       NotImplementedError: H not a power of two >= 16, or a dtype other than
         bfloat16 / float32.
     """
@@ -98,7 +128,15 @@ def ragged_paged_attention(
         raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
     if tuning is None:
         tuning = tuning_for(q.shape[2], k_cache.shape[2], q.dtype)
+    if tiles is not None:
+        num_tokens, num_heads, _ = q.shape
+        block_q = rpa_kernel.query_block(tuning, num_tokens=num_tokens, num_heads=num_heads,
+                                         num_kv_heads=k_cache.shape[1])
+        want = (rpa_kernel.num_query_tiles(num_tokens, seq_lens.shape[0], block_q), 5)
+        if tiles.shape != want or tiles.dtype != jnp.int32:
+            raise ValueError(f"tiles must be i32{list(want)} (attention_schedule with the same "
+                             f"tuning), got {tiles.dtype}{list(tiles.shape)}")
     return rpa_kernel.ragged_paged_attention_pallas(
         q, k_cache, v_cache, block_table, seq_lens.astype(jnp.int32),
         query_start_loc.astype(jnp.int32), sm_scale=sm_scale, sliding_window=sliding_window,
-        soft_cap=soft_cap, tuning=tuning, interpret=interpret)
+        soft_cap=soft_cap, tuning=tuning, interpret=interpret, tiles=tiles)

@@ -50,12 +50,27 @@ def next_pow2(x: int) -> int:
 
 
 def num_query_tiles(num_tokens: int, num_rows: int, block_q: int) -> int:
-    """Static bound on the query tiles of a step: NT = ceil(T / block_q) + R + 1.
+    """Static bound on the query tiles of a step: NT = min(T, ceil(T / block_q) + R).
 
-    Row r (and the padding pseudo-row) needs ceil(len_r / block_q) tiles, and
-    sum_r ceil(len_r / q) < sum_r len_r / q + (R + 1) = T / q + R + 1.
+    The step's T tokens fall into R + 1 segments (the R rows and the padding
+    pseudo-row), segment i holding len_i tokens with sum_i len_i = T; segment i
+    needs ceil(len_i / block_q) tiles. Since ceil(a) + ceil(b) <= ceil(a + b) + 1,
+    the R + 1 segments need at most ceil(T / block_q) + R tiles; and a segment
+    with tokens needs at most one tile per token, so at most T in all. Rows
+    with no tokens (padding rows) need no tile, so NT never exceeds T whatever
+    R (the worker's R = min(T, max_num_seqs)): a batch-1 decode in the T = 1
+    bucket is one tile at any ``max_num_seqs``.
     """
-    return -(-num_tokens // block_q) + num_rows + 1
+    return min(num_tokens, -(-num_tokens // block_q) + num_rows)
+
+
+def query_block(tuning: TuningConfig, *, num_tokens: int, num_heads: int,
+                num_kv_heads: int) -> int:
+    """Tokens per query tile (block_q) of one call: the tile's M rows over pow2(G)."""
+    group_pad = next_pow2(num_heads // num_kv_heads)
+    decode_shaped = num_tokens <= tuning.decode_max_tokens
+    block_m = max(tuning.decode_block_m if decode_shaped else tuning.block_m, group_pad)
+    return block_m // group_pad
 
 
 def tile_schedule(query_start_loc: jax.Array, seq_lens: jax.Array, *, num_tokens: int,
@@ -143,16 +158,27 @@ def _rpa_kernel(tiles_ref, block_table_ref, q_ref, k_ref, v_ref, *out_refs, num_
         lo = jnp.maximum(q_start + pos_offset - sliding_window + 1, 0)
         lo = (lo // block_kv) * block_kv
     num_iters = jnp.maximum((hi - lo + block_kv - 1) // block_kv, 0)
-    per_split = (num_iters + num_splits - 1) // num_splits
-    it_lo = split * per_split
-    it_hi = jnp.minimum(it_lo + per_split, num_iters)
+    # Split s takes iterations [s·n / NS, (s + 1)·n / NS): shares differ by at most one
+    # tile, and a split is empty only when the tile has fewer than NS key tiles.
+    it_lo = (split * num_iters) // num_splits
+    it_hi = ((split + 1) * num_iters) // num_splits
+
+    def key_positions(it):  # [BKV] positions of key tile ``it`` and which are live
+        k_pos = lo + it * block_kv + jnp.arange(block_kv, dtype=jnp.int32)
+        return k_pos, k_pos < hi
+
+    def block_ids(it):  # [BKV] physical block of each key of tile ``it`` (0 past hi)
+        k_pos, kv_ok = key_positions(it)
+        col = jnp.minimum(k_pos // block_size, max_blocks - 1)
+        return plgpu.load(block_table_ref.at[row, col], mask=kv_ok, other=0)
 
     def body(it, carry):
-        m, l, acc = carry  # [M], [M], [M, H] f32; m in log2 units
-        k_pos = lo + it * block_kv + jnp.arange(block_kv, dtype=jnp.int32)  # [BKV]
-        kv_ok = k_pos < hi  # [BKV]
-        col = jnp.minimum(k_pos // block_size, max_blocks - 1)
-        blk = plgpu.load(block_table_ref.at[row, col], mask=kv_ok, other=0)  # [BKV]
+        # m [M], l [M], acc [M, H] f32 (m in log2 units); blk [BKV] this tile's block
+        # ids, read one iteration ahead so that the K/V gathers need not wait for the
+        # block-table load (software pipelining of the table read).
+        m, l, acc, blk = carry
+        next_blk = block_ids(it + 1)  # masked past hi: never reads past the row
+        k_pos, kv_ok = key_positions(it)  # [BKV]
         kv_rows = (blk * num_kv_heads + kv_head) * block_size + k_pos % block_size
         kv_rows = jnp.where(kv_ok, kv_rows, 0)  # [BKV]
         k = plgpu.load(k_ref.at[kv_rows[:, None], cols[None, :]], mask=kv_ok[:, None],
@@ -173,11 +199,11 @@ def _rpa_kernel(tiles_ref, block_table_ref, q_ref, k_ref, v_ref, *out_refs, num_
                        other=0.0)  # [BKV, H]
         pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
                                  preferred_element_type=jnp.float32)  # [M, H]
-        return m_new, l, acc * alpha[:, None] + pv
+        return m_new, l, acc * alpha[:, None] + pv, next_blk
 
     init = (jnp.full((block_m,), MASK_VALUE, jnp.float32), jnp.zeros((block_m,), jnp.float32),
-            jnp.zeros((block_m, head_dim), jnp.float32))
-    m, l, acc = jax.lax.fori_loop(it_lo, it_hi, body, init)
+            jnp.zeros((block_m, head_dim), jnp.float32), block_ids(it_lo))
+    m, l, acc, _ = jax.lax.fori_loop(it_lo, it_hi, body, init)
 
     if num_splits == 1:
         (o_ref,) = out_refs
@@ -245,23 +271,23 @@ def cost_estimate(*, num_tokens: int, num_rows: int, num_heads: int, num_kv_head
 def ragged_paged_attention_pallas(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, *,
                                   sm_scale: float, sliding_window: int | None,
                                   soft_cap: float | None, tuning: TuningConfig,
-                                  interpret: bool) -> jax.Array:
+                                  interpret: bool, tiles: jax.Array | None = None) -> jax.Array:
     """Runs the kernel (and the split-K combine); arguments as ``ragged_paged_attention``.
 
-    Shapes are assumed checked by the caller. Returns [T, N, H] in q's dtype.
+    Shapes (``tiles`` included) are assumed checked by the caller; ``tiles``
+    None computes the tile schedule here. Returns [T, N, H] in q's dtype.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_blocks, num_kv_heads, block_size, _ = k_cache.shape
     num_rows, max_blocks = block_table.shape
     group_pad = next_pow2(num_heads // num_kv_heads)
-    max_context = max_blocks * block_size
-    decode_shaped = num_tokens <= tuning.decode_max_tokens
-    block_m = max(tuning.decode_block_m if decode_shaped else tuning.block_m, group_pad)
-    block_q = block_m // group_pad
+    block_q = query_block(tuning, num_tokens=num_tokens, num_heads=num_heads,
+                          num_kv_heads=num_kv_heads)
+    block_m = block_q * group_pad
     num_splits = num_kv_splits(tuning, num_tokens=num_tokens, num_rows=num_rows,
-                               num_kv_heads=num_kv_heads, max_context=max_context)
-
-    tiles = tile_schedule(query_start_loc, seq_lens, num_tokens=num_tokens, block_q=block_q)
+                               num_kv_heads=num_kv_heads, max_context=max_blocks * block_size)
+    if tiles is None:
+        tiles = tile_schedule(query_start_loc, seq_lens, num_tokens=num_tokens, block_q=block_q)
     num_q_rows = num_tokens * num_heads
     if num_splits == 1:
         out_shape = jax.ShapeDtypeStruct((num_q_rows, head_dim), q.dtype)

@@ -1,8 +1,8 @@
 """Tunables of the Pallas ragged paged attention kernel and their default table.
 
 A variant of the kernel is a ``TuningConfig`` (a static argument), never a
-separate kernel: block sizes, Triton's ``num_warps`` / ``num_stages`` and the
-split-K cap for flash-decoding. ``DEFAULT_TUNING`` is keyed by
+separate kernel: block sizes, Triton's ``num_warps`` / ``num_stages`` and an
+optional split-K cap; ``num_kv_splits`` holds the split-K rule. ``DEFAULT_TUNING`` is keyed by
 ``(head_dim, block_size, dtype name)``; every entry is lowered for ``cuda`` in
 the default test suite and compiled for an H100 in the ``h100`` tier
 (scripts/h100_compile_env.sh), which is what caught shared-memory overflows
@@ -15,12 +15,19 @@ G = N / K, H head dim, S block size.
 from __future__ import annotations
 
 import dataclasses
+import pathlib
+import re
 
 import jax.numpy as jnp
 
-# Streaming multiprocessors of an H100 SXM (core_count in
-# pallas_kernels/h100_target_config.pbtxt). Split-K aims for two programs per SM.
-H100_NUM_SMS = 132
+# The H100 SXM's device facts, also the topology of the deviceless compile tier.
+H100_TARGET_CONFIG = pathlib.Path(__file__).with_name("h100_target_config.pbtxt")
+# Streaming multiprocessors of an H100 SXM: core_count in H100_TARGET_CONFIG (132).
+H100_NUM_SMS = int(re.search(r"core_count: (\d+)", H100_TARGET_CONFIG.read_text()).group(1))
+# Split-K aims for this many programs per SM: with one, an SM whose program
+# finishes early idles until the slowest is done; with two, the hardware
+# scheduler evens out uneven splits (a reasoned choice, not yet measured).
+PROGRAMS_PER_SM = 2
 
 
 def _is_pow2(x: int) -> bool:
@@ -43,9 +50,9 @@ class TuningConfig:
         Power of two, >= 16.
       num_warps: Triton warps per program.
       num_stages: Triton software-pipelining stages of the K/V loads.
-      k_splits: most KV splits (flash-decoding) of a decode-shaped step; 1
-        disables split-K. The split count actually used is
-        ``num_kv_splits(...)``.
+      k_splits: a cap on the KV splits (flash-decoding) of a decode-shaped
+        step: 0 (default) leaves the count to ``num_kv_splits``'s rule alone,
+        1 disables split-K.
       decode_max_tokens: steps of at most this many tokens count as
         decode-shaped (0: none).
     """
@@ -55,7 +62,7 @@ class TuningConfig:
     block_kv: int = 64
     num_warps: int = 4
     num_stages: int = 2
-    k_splits: int = 8
+    k_splits: int = 0
     decode_max_tokens: int = 256
 
     def __post_init__(self):
@@ -65,9 +72,9 @@ class TuningConfig:
                 raise ValueError(f"{name} must be a power of two >= 16, got {value}")
         if self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"num_warps must be a power of two <= 16, got {self.num_warps}")
-        if self.num_stages < 1 or self.k_splits < 1 or self.decode_max_tokens < 0:
+        if self.num_stages < 1 or self.k_splits < 0 or self.decode_max_tokens < 0:
             raise ValueError(
-                f"num_stages and k_splits must be >= 1, decode_max_tokens >= 0: {self}")
+                f"num_stages must be >= 1, k_splits and decode_max_tokens >= 0: {self}")
 
 
 def _entries() -> dict[tuple[int, int, str], TuningConfig]:
@@ -126,21 +133,37 @@ def tuning_for(head_dim: int, block_size: int, dtype) -> TuningConfig:
 
 
 def num_kv_splits(tuning: TuningConfig, *, num_tokens: int, num_rows: int, num_kv_heads: int,
-                  max_context: int) -> int:
-    """KV splits (flash-decoding partitions) for one call; 1 means no split-K.
+                  max_context: int, num_sms: int = H100_NUM_SMS) -> int:
+    """KV splits NS (flash-decoding partitions) of one call; 1 means no split-K.
 
-    Only decode-shaped steps split. At most ``min(T, R)`` rows can be live, so
-    without splitting such a step runs about ``min(T, R) * K`` programs; the
-    split count raises that to about two programs per H100 SM, capped by
-    ``tuning.k_splits`` and by the number of KV tiles of the longest context
-    the block table can address (``max_context`` tokens).
+    NS is a static shape (the partials' leading axis), so it is chosen from
+    static quantities only: the T bucket, R, K, the longest context the block
+    table can address (``max_context = MB * S`` tokens, from max_model_len)
+    and the SM count. Rule, for decode-shaped steps (``T <= decode_max_tokens``):
+
+        live programs without split-K  P1 = min(T, R) * K
+        NS = min(ceil(PROGRAMS_PER_SM * num_sms / P1), ceil(max_context / block_kv))
+
+    and NS = 1 for prefill-shaped steps. At most min(T, R) rows can have
+    tokens (the tile schedule gives rows with none no tile), so P1 is the
+    most programs a split-free step can keep busy; NS multiplies them to about
+    two per SM. The second term keeps every split at least one key tile at
+    full context (shorter rows leave some of their splits empty: such a
+    program stores an empty partial and exits). A nonzero ``tuning.k_splits``
+    caps NS. Examples on 132 SMs: Llama-3-8B (K = 8) batch-1 decode (T = 1)
+    at 8k context: NS = 33, 264 programs; 16 rows: NS = 3; 256 rows: NS = 1.
+
+    Args:
+      tuning: the kernel variant (``decode_max_tokens``, ``block_kv``, ``k_splits``).
+      num_tokens: T. num_rows: R. num_kv_heads: K.
+      max_context: tokens one block-table row addresses (MB * S).
+      num_sms: SMs of the target GPU (default: the H100 SXM's 132).
     """
     if num_tokens > tuning.decode_max_tokens or tuning.k_splits == 1:
         return 1
     programs = max(1, min(num_tokens, num_rows) * num_kv_heads)
-    want = -(-2 * H100_NUM_SMS // programs)
-    splits = 1
-    while splits < want:
-        splits *= 2
-    max_tiles = max(1, -(-max_context // tuning.block_kv))
-    return max(1, min(splits, tuning.k_splits, max_tiles))
+    splits = -(-PROGRAMS_PER_SM * num_sms // programs)
+    splits = min(splits, max(1, -(-max_context // tuning.block_kv)))
+    if tuning.k_splits:
+        splits = min(splits, tuning.k_splits)
+    return max(1, splits)

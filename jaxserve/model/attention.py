@@ -32,11 +32,39 @@ class AttentionMetadata:
     block_table: jax.Array  # i32[R, MB] physical block ids (padding → null block)
     seq_lens: jax.Array  # i32[R] tokens per row including this step's
     query_start_loc: jax.Array  # i32[R + 1] first query token of each row
+    # i32[NT, 5] the Pallas kernel's tile schedule, computed once per step by
+    # ``with_schedule`` for every layer; None: each call computes its own.
+    tiles: jax.Array | None = None
 
 
 def default_backend() -> str:
     """``pallas`` on a GPU, ``reference`` elsewhere."""
     return "pallas" if jax.default_backend() == "gpu" else "reference"
+
+
+def with_schedule(metadata: AttentionMetadata, *, num_tokens: int, num_heads: int,
+                  k_cache: jax.Array, backend: str) -> AttentionMetadata:
+    """The metadata with the kernel's tile schedule, computed once for all layers.
+
+    For the Pallas backends, ``rpa.attention_schedule`` (which query tokens
+    each program serves) depends only on the step's metadata and the model's
+    shapes, so the model computes it once per step and every layer's call
+    reuses it instead of deriving it again. The reference backend needs none.
+
+    Args:
+      metadata: the step's metadata (``tiles`` None).
+      num_tokens: T. num_heads: N.
+      k_cache: one layer's cache ``[B, K, S, H]`` or the stacked ``[L, B, K, S, H]``
+        (only its shape and dtype are read).
+      backend: one of ATTENTION_BACKENDS.
+    """
+    if backend not in ("pallas", "pallas_interpret"):
+        return metadata
+    num_kv_heads, block_size, head_dim = k_cache.shape[-3:]
+    tiles = rpa.attention_schedule(
+        metadata.query_start_loc, metadata.seq_lens, num_tokens=num_tokens, num_heads=num_heads,
+        num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size, dtype=k_cache.dtype)
+    return dataclasses.replace(metadata, tiles=tiles)
 
 
 def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
@@ -64,5 +92,5 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
         return rpa.ragged_paged_attention(
             q, k_cache, v_cache, metadata.block_table, metadata.seq_lens,
             metadata.query_start_loc, sm_scale=sm_scale, sliding_window=sliding_window,
-            soft_cap=soft_cap, interpret=backend == "pallas_interpret")
+            soft_cap=soft_cap, interpret=backend == "pallas_interpret", tiles=metadata.tiles)
     raise ValueError(f"unknown attention backend {backend!r}; choose one of {ATTENTION_BACKENDS}")

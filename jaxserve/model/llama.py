@@ -23,13 +23,15 @@ weights. Kernels are stored ``[in, out]``.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.config import ModelConfig
 from jaxserve.model import rope
-from jaxserve.model.attention import AttentionMetadata, paged_attention
+from jaxserve.model.attention import AttentionMetadata, paged_attention, with_schedule
 from jaxserve.model.kv_cache import KVCache, write_kv
 
 _INIT_STD = 0.02  # only for abstract construction and standalone random models
@@ -161,6 +163,9 @@ class CausalLM(nnx.Module):
         """input_ids, positions: i32[T] → (hidden [T, D] after the final norm, kv_cache)."""
         x = jnp.take(self.embed[...], input_ids, axis=0)  # [T, D]
         cos, sin = rope.rope_cos_sin(positions, rope.inverse_frequencies(self.config))
+        metadata = with_schedule(metadata, num_tokens=input_ids.shape[0],
+                                 num_heads=self.config.num_heads, k_cache=kv_cache.k[0],
+                                 backend=backend)  # once per step, for every layer
         if self.scan_layers:
             return self._scan_layers(x, cos, sin, kv_cache, metadata, backend)
         ks, vs = list(kv_cache.k), list(kv_cache.v)
@@ -186,10 +191,9 @@ class CausalLM(nnx.Module):
             h, k_cache, v_cache = carry
             layer_params, i = xs
             layer = nnx.merge(graphdef, layer_params)
-            shifted = AttentionMetadata(
-                slot_mapping=metadata.slot_mapping + i * (num_blocks * block_size),
-                block_table=metadata.block_table + i * num_blocks,
-                seq_lens=metadata.seq_lens, query_start_loc=metadata.query_start_loc)
+            shifted = dataclasses.replace(
+                metadata, slot_mapping=metadata.slot_mapping + i * (num_blocks * block_size),
+                block_table=metadata.block_table + i * num_blocks)
             return layer(h, cos, sin, k_cache, v_cache, shifted, backend), None
 
         (x, k_flat, v_flat), _ = jax.lax.scan(

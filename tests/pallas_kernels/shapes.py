@@ -61,6 +61,7 @@ def table_problems(head_dim: int, block_size: int, dtype: str) -> dict[str, Prob
 # Llama-3-8B: 32 query heads over 8 KV heads, head_dim 128, bfloat16.
 LLAMA3_8B = dict(num_heads=32, num_kv_heads=8, head_dim=128, block_size=16, dtype="bfloat16")
 LLAMA3_8B_DECODE_8K = Problem(num_tokens=256, num_rows=256, max_context=8192, **LLAMA3_8B)
+LLAMA3_8B_BATCH1_8K = Problem(num_tokens=1, num_rows=1, max_context=8192, **LLAMA3_8B)
 LLAMA3_8B_DECODE_2K = Problem(num_tokens=256, num_rows=256, max_context=2048, **LLAMA3_8B)
 LLAMA3_8B_PREFILL_8K = Problem(num_tokens=2048, num_rows=256, max_context=8192, **LLAMA3_8B)
 # The demo model (SmolLM2-135M): 9 query heads over 3 KV heads, head_dim 64.

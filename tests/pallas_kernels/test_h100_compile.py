@@ -7,7 +7,11 @@ which also checks each kernel's shared memory against the H100's opt-in
 limit. Skipped when the plugin is absent (the default environment).
 
 Each compile dumps XLA's thunk sequence, from which the kernel's launch grid,
-threads and shared memory are read and printed (``pytest -s``).
+threads and shared memory are read and printed (``pytest -s``). The served
+step of a Llama-3-8B-shaped model (all 32 layers, full widths and
+vocabulary, abstract bfloat16 weights) is compiled too: its thunk sequence
+must hold no ``kWhile`` / ``kConditional`` (each would make the GPU wait on
+the host) and every kernel's shared memory must fit the H100.
 """
 
 import os
@@ -15,13 +19,17 @@ import pathlib
 import re
 import tempfile
 
+import time
+
 import jax
+import jax.numpy as jnp
 import pytest
 
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 from pallas_kernels.tuning import DEFAULT_TUNING, TuningConfig
-from tests.pallas_kernels.shapes import (DEMO_DECODE, LLAMA3_8B_DECODE_2K, LLAMA3_8B_DECODE_8K,
-                                         LLAMA3_8B_PREFILL_8K, Problem, table_problems)
+from tests.pallas_kernels.shapes import (DEMO_DECODE, LLAMA3_8B_BATCH1_8K, LLAMA3_8B_DECODE_2K,
+                                         LLAMA3_8B_DECODE_8K, LLAMA3_8B_PREFILL_8K, Problem,
+                                         table_problems)
 
 pytest.importorskip("jax_plugins.xla_cuda12",
                     reason="CUDA plugin absent: scripts/h100_compile_env.sh")
@@ -50,14 +58,18 @@ def h100():
     return jax.sharding.SingleDeviceSharding(topology.devices[0])
 
 
+def thunk_sequences(jitted, specs) -> str:
+    """Compiles ``jitted`` at ``specs`` (H100-sharded); returns XLA's thunk-sequence dumps."""
+    with tempfile.TemporaryDirectory() as dump:
+        jitted.trace(*specs).lower().compile(compiler_options={"xla_dump_to": dump})
+        return "\n".join(p.read_text() for p in pathlib.Path(dump).glob("*thunk_sequence*"))
+
+
 def compile_for_h100(problem: Problem, sharding, tuning: TuningConfig | None = None) -> dict:
     """Compiles one call; returns the attention kernel's {name, grid, threads, smem}."""
     scale = problem.head_dim ** -0.5
     fn = jax.jit(lambda *a: ragged_paged_attention(*a, sm_scale=scale, tuning=tuning))
-    with tempfile.TemporaryDirectory() as dump:
-        fn.trace(*problem.specs(sharding)).lower().compile(compiler_options={"xla_dump_to": dump})
-        thunks = [m for p in pathlib.Path(dump).glob("*thunk_sequence*")
-                  for m in _THUNK.findall(p.read_text())]
+    thunks = _THUNK.findall(thunk_sequences(fn, problem.specs(sharding)))
     kernels = {(name, grid, threads, int(smem)) for name, grid, threads, smem in thunks
                if name.startswith("ragged_paged_attention")}
     assert len(kernels) == 1, thunks
@@ -76,9 +88,9 @@ def test_default_table_compiles_for_h100(h100, key):
 
 
 @pytest.mark.parametrize("problem", [LLAMA3_8B_DECODE_8K, LLAMA3_8B_DECODE_2K,
-                                     LLAMA3_8B_PREFILL_8K, DEMO_DECODE],
+                                     LLAMA3_8B_PREFILL_8K, LLAMA3_8B_BATCH1_8K, DEMO_DECODE],
                          ids=["llama3_8b_decode_8k", "llama3_8b_decode_2k",
-                              "llama3_8b_prefill_8k", "demo_decode"])
+                              "llama3_8b_prefill_8k", "llama3_8b_batch1_8k", "demo_decode"])
 def test_model_shapes_compile_for_h100(h100, problem):
     kernel = compile_for_h100(problem, h100)
     assert 0 < kernel["smem"] <= _smem_limit()
@@ -90,3 +102,45 @@ def test_shared_memory_overflow_is_caught(h100):
     huge = TuningConfig(block_m=128, block_kv=128, num_warps=8, num_stages=4)
     with pytest.raises(Exception, match="[Ss]hared memory"):
         compile_for_h100(problem, h100, huge)
+
+
+@pytest.fixture(scope="module")
+def llama3_8b_ladder():
+    """Body and sampler executables of a Llama-3-8B-shaped model: M = 256, 8k context."""
+    from benchmarks.llama8b_decode import llama3_8b  # noqa: PLC0415
+    from jaxserve.model.kv_cache import kv_cache_shapes  # noqa: PLC0415
+    from jaxserve.model.loader import abstract_model  # noqa: PLC0415
+    from jaxserve.worker.executables import LadderShapes, ladder_executables  # noqa: PLC0415
+    from jaxserve.worker.rows import RowState  # noqa: PLC0415
+
+    config = llama3_8b()
+    graphdef, state = abstract_model(config, jnp.bfloat16)
+    kv = kv_cache_shapes(config, 4096, 16, jnp.bfloat16)
+    rows = RowState(256, 8192, 16, config.vocab_size, config.eos_token_ids)
+    hidden = jax.ShapeDtypeStruct((256, config.hidden_size), jnp.bfloat16)
+    shapes = LadderShapes(graphdef, state, kv, rows, hidden, "pallas")
+    ladder = ladder_executables(shapes, token_buckets=(1, 256, 2048), request_buckets=(256,))
+    wanted = {"body[T=1]", "body[T=256]", "body[T=2048]"}
+    exes = [exe for exe in ladder if exe.name in wanted or exe.kind == "sampler"]
+    return [exes[i] for i in (0, 1, 2, len(exes) - 1)]  # the bodies, the fullest sampler
+
+
+@pytest.mark.parametrize("index", [0, 1, 2, 3], ids=["body_T1", "body_T256", "body_T2048",
+                                                    "sampler_R256"])
+def test_llama3_8b_served_step_compiles_for_h100(h100, llama3_8b_ladder, index):
+    exe = llama3_8b_ladder[index]
+    specs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=h100),
+                         exe.args)
+    start = time.perf_counter()
+    text = thunk_sequences(jax.jit(exe.fn, donate_argnums=exe.donate), specs)
+    seconds = time.perf_counter() - start
+    assert "kWhile" not in text and "kConditional" not in text, exe.name
+    kernels = _THUNK.findall(text)
+    attention = {(k[0], k[1]) for k in kernels if k[0].startswith("ragged_paged_attention")}
+    assert bool(attention) == (exe.kind == "body"), (exe.name, attention)
+    if exe.name == "body[T=1]":  # batch-1 decode at 8k: 1 tile x 8 KV heads x 33 splits
+        assert {grid for _, grid in attention} == {"1, 8, 33"}, attention
+    worst = max(int(k[3]) for k in kernels)
+    assert worst <= _smem_limit(), (exe.name, worst)
+    print(f"\nH100 compile ok: {exe.name} in {seconds:.1f} s, {len(kernels)} kernels, "
+          f"most shared memory {worst} B; attention: {sorted(set(attention))}")

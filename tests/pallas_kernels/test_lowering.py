@@ -12,8 +12,9 @@ import pytest
 
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 from pallas_kernels.tuning import DEFAULT_TUNING, num_kv_splits
-from tests.pallas_kernels.shapes import (DEMO_DECODE, LLAMA3_8B_DECODE_2K, LLAMA3_8B_DECODE_8K,
-                                         LLAMA3_8B_PREFILL_8K, Problem, table_problems)
+from tests.pallas_kernels.shapes import (DEMO_DECODE, LLAMA3_8B_BATCH1_8K, LLAMA3_8B_DECODE_2K,
+                                         LLAMA3_8B_DECODE_8K, LLAMA3_8B_PREFILL_8K, Problem,
+                                         table_problems)
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
 
@@ -55,8 +56,10 @@ def test_default_table_lowers_for_cuda(key):
         assert lowered.as_text().count(TRITON_CALL) == 1, shape
 
 
-@pytest.mark.parametrize("problem", [LLAMA3_8B_DECODE_8K, LLAMA3_8B_PREFILL_8K, DEMO_DECODE],
-                         ids=["llama3_8b_decode_8k", "llama3_8b_prefill_8k", "demo_decode"])
+@pytest.mark.parametrize("problem", [LLAMA3_8B_DECODE_8K, LLAMA3_8B_PREFILL_8K,
+                                     LLAMA3_8B_BATCH1_8K, DEMO_DECODE],
+                         ids=["llama3_8b_decode_8k", "llama3_8b_prefill_8k", "llama3_8b_batch1_8k",
+                              "demo_decode"])
 def test_model_shapes_lower_for_cuda(problem):
     lowered = _attention(problem).trace(*problem.specs()).lower(lowering_platforms=("cuda",))
     assert lowered.as_text().count(TRITON_CALL) == 1

@@ -85,15 +85,22 @@ def test_sliding_window_and_soft_cap(window, cap):
 
 
 def test_long_context_decode_split_k():
-    """A few long decode rows: the case flash-decoding exists for."""
+    """Long decode rows and a chunk straddling two query tiles, over many splits.
+
+    The case flash-decoding exists for, with the uncapped split rule: 9 rows x
+    2 KV heads give 18 programs without split-K, so NS = ceil(264 / 18) = 15
+    (more than the old fixed cap of 8); the 701-key row spreads 22 key tiles
+    over 15 splits (1 or 2 each), the short rows leave most splits empty, and
+    the 6-token chunk (decode tiles hold 4 tokens at G = 4) spans two tiles.
+    """
     rng = np.random.default_rng(11)
-    rows = [(1, 700), (1, 33), (0, 0), (1, 257), (1, 0)]
+    rows = [(1, 700), (1, 33), (0, 0), (1, 257), (1, 0), (6, 300)]
     case = make_case(rng, num_heads=8, num_kv_heads=2, head_dim=64, block_size=16, rows=rows,
                      pad_tokens=4, pad_rows=3)
-    tuning = TuningConfig(block_kv=32, k_splits=8)
+    tuning = TuningConfig(block_kv=32)
     splits = num_kv_splits(tuning, num_tokens=len(case.q), num_rows=len(case.seq_lens),
                            num_kv_heads=2, max_context=case.block_table.shape[1] * 16)
-    assert splits == 8
+    assert splits == 15
     check(run(case, "float32", tuning, sm_scale=0.125), case, "float32", sm_scale=0.125)
 
 

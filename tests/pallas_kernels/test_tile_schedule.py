@@ -26,6 +26,7 @@ def test_tiles_cover_each_token_once(block_q):
         seq_lens = (q_lens + ctx).astype(np.int32)
         tiles = np.asarray(schedule(qsl, seq_lens))
         assert tiles.shape == (num_query_tiles(T, R, block_q), 5)
+        assert len(tiles) <= T
         owner = np.full(T, -1)
         for row, start, end, kv_len, pos_offset in tiles:
             assert end - start <= block_q
@@ -39,3 +40,12 @@ def test_tiles_cover_each_token_once(block_q):
                 else:  # a padding token: no keys
                     assert kv_len == 0
         assert (owner >= 0).all(), "token served by no tile"
+
+
+def test_one_token_rows_fill_the_bound_exactly():
+    """T one-token rows (a full decode bucket) need T tiles: the bound min(T, ...) is tight."""
+    t, block_q = 12, 4
+    qsl = np.arange(t + 1, dtype=np.int32)
+    tiles = np.asarray(tile_schedule(qsl, np.full(t, 5, np.int32), num_tokens=t, block_q=block_q))
+    assert tiles.shape == (num_query_tiles(t, t, block_q), 5) == (t, 5)
+    assert [(start, end) for _, start, end, _, _ in tiles] == [(i, i + 1) for i in range(t)]
