@@ -9,6 +9,7 @@ import time
 from concurrent import futures
 
 import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 import numpy as np
 import pytest
 
@@ -55,6 +56,9 @@ def paced():
     servicer = PacedServicer()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
     pb_grpc.add_GenerateServiceServicer_to_server(servicer, server)
+    health_servicer = health.HealthServicer()  # clients wait for SERVING, as from a real server
+    health_servicer.set("jaxserve.GenerateService", health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     yield servicer, f"127.0.0.1:{port}"
