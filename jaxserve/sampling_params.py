@@ -33,6 +33,10 @@ from typing import Any
 
 SAMPLING_EPS = 1e-5  # temperature below this is greedy (vLLM's _SAMPLING_EPS)
 MAX_LOGPROBS = 20  # most top logprobs per token, as vLLM's default max_logprobs
+# The sampler's array widths (jaxserve.worker.sampler.metadata imports these;
+# jaxserve.validation checks requests against them, counting the model's EOS ids):
+MAX_LOGIT_BIAS = 64  # NB: most logit_bias entries per request
+MAX_STOP_IDS = 16  # NE: most stop_token_ids + EOS ids per request (EOS not with ignore_eos)
 
 _FLOAT_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty",
                  "temperature", "top_p", "min_p")

@@ -21,12 +21,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.sampling_params import MAX_LOGPROBS, SAMPLING_EPS, SamplingParams
+from jaxserve.sampling_params import (MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_IDS, SAMPLING_EPS,
+                                      SamplingParams)
 
 LogprobsMode = Literal["raw", "processed"]
 LOGPROBS_MODES = ("raw", "processed")
-DEFAULT_LOGIT_BIAS_WIDTH = 64  # NB: most logit_bias entries per request
-DEFAULT_BANNED_WIDTH = 16  # NE: most stop token ids + EOS ids per request
 
 _DATA_FIELDS = (
     "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
@@ -133,8 +132,8 @@ def build_sampling_metadata(
     num_rows: int | None = None,
     max_num_logprobs: int = MAX_LOGPROBS,
     logprobs_mode: LogprobsMode = "raw",
-    logit_bias_width: int = DEFAULT_LOGIT_BIAS_WIDTH,
-    banned_width: int = DEFAULT_BANNED_WIDTH,
+    logit_bias_width: int = MAX_LOGIT_BIAS,
+    banned_width: int = MAX_STOP_IDS,
 ) -> SamplingMetadata:
     """Builds host (NumPy) metadata for the requests in ``params``.
 
@@ -150,7 +149,9 @@ def build_sampling_metadata(
       num_rows: R >= len(params) (the bucket); extra rows are padding.
       max_num_logprobs: static NL; must cover every request's ``logprobs``.
       logprobs_mode: "raw" or "processed" (see ``SamplingMetadata``).
-      logit_bias_width: NB; banned_width: NE (fixed per server).
+      logit_bias_width: NB; banned_width: NE (fixed per server; the defaults are
+        ``MAX_LOGIT_BIAS`` and ``MAX_STOP_IDS`` of ``jaxserve.sampling_params``, the
+        limits ``jaxserve.validation`` enforces on requests).
 
     Returns:
       SamplingMetadata with NumPy leaves (``jax.device_put`` it, or pass it
