@@ -31,6 +31,7 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+MAX_INT32 = 2**31 - 1  # the wire type of the integer fields (generate.proto, engine.proto)
 SAMPLING_EPS = 1e-5  # temperature below this is greedy (vLLM's _SAMPLING_EPS)
 MAX_LOGPROBS = 20  # most top logprobs per token, as vLLM's default max_logprobs
 # The sampler's array widths (jaxserve.worker.sampler.metadata imports these;
@@ -106,7 +107,8 @@ class SamplingParams:
       repetition_penalty: > 0; 1 = off. Applies to prompt and output tokens.
       temperature: >= 0; below ``SAMPLING_EPS`` = greedy.
       top_p: nucleus mass in (0, 1]; 1 = off.
-      top_k: -1 or 0 = off, else keep the k most likely tokens (ties kept).
+      top_k: -1 or 0 = off, else keep the k most likely tokens (ties kept);
+        at most ``MAX_INT32`` (the wire's int32; any k >= V is off anyway).
       min_p: in [0, 1]; drop tokens with probability < min_p * max probability.
       seed: per-request seed (any int, taken modulo 2**64) or None for the
         server's random stream. Seeded draws depend only on (seed, position).
@@ -183,8 +185,8 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
+        if not -1 <= self.top_k <= MAX_INT32:
+            raise ValueError(f"top_k must be -1, 0 (off) or in [1, {MAX_INT32}], got {self.top_k}")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.max_tokens is not None and self.max_tokens < 1:
