@@ -194,3 +194,17 @@ def test_a_busy_metrics_port_fails_at_once_with_a_one_line_error(demo_model_dir)
     assert proc.returncode == 1, proc.stderr
     assert f"--metrics-port {port}: cannot listen" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_undecodable_request_bytes_reach_the_handler_as_a_value():
+    # Regression (found by tests/e2e/test_fuzz_server.py): gRPC answered UNKNOWN when the
+    # request's bytes did not parse; the api's decoders hand the handler a value instead,
+    # which it refuses with INVALID_ARGUMENT.
+    from jaxserve.api.server import _decoder, _Undecodable
+
+    decode = _decoder(pb.GenerateRequest)
+    assert decode(pb.GenerateRequest(text="hi").SerializeToString()).text == "hi"
+    for wire, why in ((b"\x12\x02\xff\xfe", "UTF-8"), (b"\xff\xff\xff\xff", "")):
+        bad = decode(wire)
+        assert isinstance(bad, _Undecodable) and bad.message == "jaxserve.GenerateRequest"
+        assert why in bad.error
