@@ -29,8 +29,7 @@ from jaxserve.api.validation import validate_chat, validate_text
 from jaxserve.proto import generate_pb2 as pb
 from jaxserve.proto.convert import sampling_params_kwargs_from_proto
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.validation import (InvalidArgument, RequestLimits, Unsupported,
-                                 sampling_params_from_kwargs)
+from jaxserve.validation import InvalidArgument, RequestLimits, sampling_params_from_kwargs
 
 _NO_DEFAULTS: Mapping[str, Any] = types.MappingProxyType({})
 
