@@ -185,8 +185,14 @@ class LLM:
         every KV block free, and the next call starts clean.
 
         Raises:
-          ValueError: a bad prompt (empty, too long, ids outside the
-            vocabulary) or a params list of the wrong length.
+          jaxserve.validation.InvalidArgument: (a ``ValueError``) a prompt or
+            its parameters refused by the engine's one validation
+            (``jaxserve.validation.RequestLimits``: empty, too long, ids
+            outside the vocabulary, more stop ids or logit-bias entries than
+            the sampler holds, ``n`` above ``max_num_seqs``), naming the
+            field as ``prompts[i]`` or ``sampling_params.<name>``; nothing is
+            queued then.
+          ValueError: a params list of the wrong length.
         """
         items = _as_prompt_list(prompts)
         texts, token_ids = zip(*(self._tokenize(p) for p in items)) if items else ((), ())
@@ -244,7 +250,9 @@ class LLM:
                   else list(sampling_params))
         if len(params) != len(texts):
             raise ValueError(f"got {len(params)} sampling params for {len(texts)} prompts")
-        requests: dict[str, _Pending] = {}
+        for i, (ids, sp) in enumerate(zip(token_ids, params)):  # all, before queuing any
+            self.engine.limits.check(ids, sp, prompt_field=f"prompts[{i}]")
+        requests = {}
         try:
             for text, ids, sp in zip(texts, token_ids, params):
                 rid = str(next(self._ids))

@@ -31,11 +31,13 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+MAX_INT32 = 2**31 - 1  # the wire type of the integer fields (generate.proto, engine.proto)
 SAMPLING_EPS = 1e-5  # temperature below this is greedy (vLLM's _SAMPLING_EPS)
 MAX_LOGPROBS = 20  # most top logprobs per token, as vLLM's default max_logprobs
-# The worker's sampler widths (array shapes on the device, jaxserve/worker/sampler/metadata.py):
+# The sampler's array widths (jaxserve.worker.sampler.metadata imports these;
+# jaxserve.validation checks requests against them, counting the model's EOS ids):
 MAX_LOGIT_BIAS = 64  # most logit_bias entries per request
-MAX_STOP_IDS = 16  # most stop token ids plus EOS ids (unless ignore_eos) per request
+MAX_STOP_IDS = 16  # most stop_token_ids + EOS ids per request (EOS not with ignore_eos)
 
 _FLOAT_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty",
                  "temperature", "top_p", "min_p")
@@ -105,7 +107,8 @@ class SamplingParams:
       repetition_penalty: > 0; 1 = off. Applies to prompt and output tokens.
       temperature: >= 0; below ``SAMPLING_EPS`` = greedy.
       top_p: nucleus mass in (0, 1]; 1 = off.
-      top_k: -1 or 0 = off, else keep the k most likely tokens (ties kept).
+      top_k: -1 or 0 = off, else keep the k most likely tokens (ties kept);
+        at most ``MAX_INT32`` (the wire's int32; any k >= V is off anyway).
       min_p: in [0, 1]; drop tokens with probability < min_p * max probability.
       seed: per-request seed (any int, taken modulo 2**64) or None for the
         server's random stream. Seeded draws depend only on (seed, position).
@@ -182,8 +185,8 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
+        if not -1 <= self.top_k <= MAX_INT32:
+            raise ValueError(f"top_k must be -1, 0 (off) or in [1, {MAX_INT32}], got {self.top_k}")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.max_tokens is not None and self.max_tokens < 1:
@@ -213,26 +216,6 @@ class SamplingParams:
         if not self.ignore_eos:
             ids.extend(int(i) for i in eos_token_ids)
         return tuple(dict.fromkeys(ids))
-
-    def check_sampler_limits(self, vocab_size: int, eos_token_ids: Iterable[int] = ()) -> None:
-        """Checks what the worker's sampler can run for a model of ``vocab_size`` tokens.
-
-        Raises:
-          ValueError: more than ``MAX_LOGIT_BIAS`` logit-bias entries, more
-            than ``MAX_STOP_IDS`` stop + EOS ids (``all_stop_token_ids``), or
-            a logit-bias or stop token id outside [0, vocab_size).
-        """
-        if self.logit_bias and len(self.logit_bias) > MAX_LOGIT_BIAS:
-            raise ValueError(f"logit_bias: at most {MAX_LOGIT_BIAS} entries, "
-                             f"got {len(self.logit_bias)}")
-        stop_ids = self.all_stop_token_ids(eos_token_ids)
-        if len(stop_ids) > MAX_STOP_IDS:
-            raise ValueError(f"stop_token_ids: at most {MAX_STOP_IDS} stop token ids including "
-                             f"EOS ids (unless ignore_eos), got {len(stop_ids)}")
-        for name, ids in (("logit_bias", self.logit_bias or ()), ("stop_token_ids", stop_ids)):
-            bad = [i for i in ids if not 0 <= i < vocab_size]
-            if bad:
-                raise ValueError(f"{name}: token id {bad[0]} outside [0, {vocab_size})")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain Python types (lists, dict), JSON-serializable except int keys."""

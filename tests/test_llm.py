@@ -19,6 +19,8 @@ import pytest
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.model.loader import load_model
+from jaxserve.sampling_params import MAX_LOGIT_BIAS
+from jaxserve.validation import InvalidArgument
 from jaxserve.worker import InProcessWorker
 from tests.demo_prompts import QUESTIONS, TEXTS
 
@@ -152,3 +154,20 @@ def test_chat_applies_the_template(baseline):
     (plain,) = llm.generate(chat.prompt_token_ids, GREEDY, use_tqdm=False)
     assert chat.outputs[0].token_ids == plain.outputs[0].token_ids
     assert "Paris" in chat.outputs[0].text
+
+
+def test_a_refused_prompt_queues_nothing_and_names_the_field(baseline):
+    llm, _, _ = baseline
+    vocab = llm.engine.geometry.vocab_size
+    cases = [([[1, 2], [1, vocab]], GREEDY, "prompts[1]"),
+             ([[1, 2], []], GREEDY, "prompts[1]"),
+             ([[1, 2]], SamplingParams(logit_bias={i: 1.0 for i in range(MAX_LOGIT_BIAS + 1)}),
+              "sampling_params.logit_bias"),
+             ([[1, 2]], SamplingParams(n=33), "sampling_params.n")]  # max_num_seqs 32
+    for prompts, params, field in cases:
+        with pytest.raises(InvalidArgument) as err:
+            llm.generate(prompts, params, use_tqdm=False)
+        assert err.value.field == field
+        assert not llm.engine.has_unfinished_requests()
+    (ok,) = llm.generate([1, 2], GREEDY, use_tqdm=False)  # still serving
+    assert ok.finished and 1 <= len(ok.outputs[0].token_ids) <= NEW_TOKENS

@@ -27,7 +27,7 @@ def test_defaults_match_vllm():
 @pytest.mark.parametrize("field, value", [
     ("temperature", -0.1),
     ("top_p", 0.0), ("top_p", 1.01), ("top_p", -0.5),
-    ("top_k", -2),
+    ("top_k", -2), ("top_k", 2**31),  # int32 on the wire: larger reached the engine proto
     ("min_p", -0.01), ("min_p", 1.5),
     ("n", 0),
     ("max_tokens", 0),

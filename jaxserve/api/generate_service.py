@@ -19,9 +19,10 @@ import grpc
 
 from jaxserve.api.engine_client import EngineClient, EngineError
 from jaxserve.api.runner import ApiError, RequestRunner
-from jaxserve.api.validation import InvalidArgument, validate_text
+from jaxserve.api.validation import validate_text
 from jaxserve.proto import generate_pb2 as pb
 from jaxserve.proto import generate_pb2_grpc as pb_grpc
+from jaxserve.validation import InvalidArgument
 
 logger = logging.getLogger(__name__)
 

@@ -2,25 +2,20 @@
 
 ``RequestPreparer.prepare(request)`` returns the prompt's token ids and the
 ``SamplingParams`` (``max_tokens`` resolved) or raises ``InvalidArgument``
-naming the field (``jaxserve.api.validation``), or ``Unsupported`` for a
-valid parameter this server cannot honour (gRPC ``UNIMPLEMENTED``).
+naming the field, or ``Unsupported`` for a valid parameter this server
+cannot honour (gRPC ``UNIMPLEMENTED``); both from ``jaxserve.validation``.
 
 It is built from two steps any front end (gRPC, HTTP) uses the same way:
 ``sampling_params(kwargs)`` — the request's explicit sampling fields over the
 model's defaults (``jaxserve.generation_config``), validated — and
-``validate(prompt_token_ids, params)`` — the server's limits and the checks
-against the model, ``max_tokens`` resolved.
+``validate(prompt_token_ids, params)`` — the checks against the model and
+the engine's limits (``jaxserve.validation.RequestLimits``, the same code
+the engine runs), ``max_tokens`` resolved.
 
 Prompts are tokenized exactly as ``jaxserve.LLM`` does: text with
 ``tokenizer.encode(text)`` (the tokenizer's own special-token rule), a chat
 rendered by the tokenizer's chat template and encoded without adding special
 tokens again.
-
-Besides ``SamplingParams``' own checks and ``validate_request``, the server
-enforces the sampler's static widths (they are array shapes on the worker,
-``jaxserve/worker/sampler/metadata.py``): at most ``MAX_LOGIT_BIAS`` logit-bias
-entries, and at most ``MAX_STOP_IDS`` stop token ids plus the model's EOS ids
-(EOS counted unless ``ignore_eos``); and ``n`` at most ``max_num_seqs``.
 """
 
 from __future__ import annotations
@@ -30,20 +25,13 @@ import types
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from jaxserve.api.validation import (InvalidArgument, sampling_params_from_kwargs,
-                                     validate_chat, validate_request, validate_text)
+from jaxserve.api.validation import validate_chat, validate_text
 from jaxserve.proto import generate_pb2 as pb
 from jaxserve.proto.convert import sampling_params_kwargs_from_proto
-from jaxserve.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_IDS, SamplingParams
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.validation import InvalidArgument, RequestLimits, sampling_params_from_kwargs
 
 _NO_DEFAULTS: Mapping[str, Any] = types.MappingProxyType({})
-
-
-class Unsupported(InvalidArgument):
-    """A valid parameter this server does not support (gRPC ``UNIMPLEMENTED``).
-
-    Attributes: as ``InvalidArgument`` (``field``, ``reason``).
-    """
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -71,6 +59,7 @@ class RequestPreparer:
       max_model_len: most prompt + generated tokens.
       eos_token_ids: the model's EOS ids (count against ``MAX_STOP_IDS``).
       max_num_seqs: the engine's row count (the most completions per request).
+      (these four make ``limits``, the ``RequestLimits`` every request is checked against)
       defaults: the model's default sampling parameters
         (``jaxserve.generation_config.load_sampling_defaults``: ``SamplingParams``
         keyword arguments; ``max_tokens`` is a default reply length that
@@ -85,10 +74,8 @@ class RequestPreparer:
                  eos_token_ids: Sequence[int], max_num_seqs: int,
                  defaults: Mapping[str, Any] = _NO_DEFAULTS) -> None:
         self.tokenizer = tokenizer
-        self.vocab_size = vocab_size
-        self.max_model_len = max_model_len
-        self.eos_token_ids = tuple(eos_token_ids)
-        self.max_num_seqs = max_num_seqs
+        self.limits = RequestLimits(vocab_size=vocab_size, max_model_len=max_model_len,
+                                    max_num_seqs=max_num_seqs, eos_token_ids=tuple(eos_token_ids))
         sampling_params_from_kwargs(defaults)  # fail at start-up, not on every request
         defaults = dict(defaults)
         self.default_max_tokens: int | None = defaults.pop("max_tokens", None)
@@ -159,15 +146,13 @@ class RequestPreparer:
         Returns:
           ``params`` with ``max_tokens`` resolved: the request's, else the
           model's default capped at the room left, else the room left
-          (``validate_request``).
+          (``RequestLimits.resolve_max_tokens``).
 
         Raises:
-          InvalidArgument / Unsupported: as ``check_limits`` and ``validate_request``.
+          InvalidArgument / Unsupported: as ``RequestLimits.validate``.
         """
-        self.check_limits(params)
-        return validate_request(prompt_token_ids, params, vocab_size=self.vocab_size,
-                                max_model_len=self.max_model_len, prompt_field=prompt_field,
-                                default_max_tokens=self.default_max_tokens)
+        return self.limits.validate(prompt_token_ids, params, prompt_field=prompt_field,
+                                    default_max_tokens=self.default_max_tokens)
 
     def prepare(self, request: pb.GenerateRequest) -> PreparedRequest:
         """Tokenizes and validates ``request`` (``sampling_params``, then ``validate``).
@@ -207,25 +192,3 @@ class RequestPreparer:
         ids = list(prompt_token_ids)
         return PreparedRequest(ids, prompt_field, self.validate(ids, params,
                                                                 prompt_field=prompt_field))
-
-    def check_limits(self, params: SamplingParams) -> None:
-        """The server's static limits (see the module docstring).
-
-        Raises:
-          InvalidArgument / Unsupported: naming the field.
-        """
-        prefix = "sampling_params."
-        if params.n > self.max_num_seqs:
-            raise InvalidArgument(prefix + "n", f"at most {self.max_num_seqs} completions per "
-                                                f"request (the server's max_num_seqs), got {params.n}")
-        if params.logit_bias and len(params.logit_bias) > MAX_LOGIT_BIAS:
-            raise InvalidArgument(prefix + "logit_bias",
-                                  f"at most {MAX_LOGIT_BIAS} entries, got {len(params.logit_bias)}")
-        num_stop = len(params.all_stop_token_ids(self.eos_token_ids))
-        if num_stop > MAX_STOP_IDS:
-            raise InvalidArgument(prefix + "stop_token_ids",
-                                  f"at most {MAX_STOP_IDS} stop token ids including the model's "
-                                  f"{len(self.eos_token_ids)} EOS ids (unless ignore_eos), got "
-                                  f"{num_stop}")
-        if params.prompt_logprobs is not None:
-            raise Unsupported(prefix + "prompt_logprobs", "not supported by this server")

@@ -42,11 +42,11 @@ import grpc
 
 from jaxserve.api.completions import RequestTracker
 from jaxserve.api.engine_client import EngineClient, EngineError, EngineFailure
-from jaxserve.api.prompts import PreparedRequest, RequestPreparer, Unsupported
-from jaxserve.api.validation import InvalidArgument
+from jaxserve.api.prompts import PreparedRequest, RequestPreparer
 from jaxserve.engine.messages import EngineCoreRequest
 from jaxserve.metrics import ServerMetrics
 from jaxserve.proto import generate_pb2 as pb
+from jaxserve.validation import InvalidArgument, Unsupported
 
 logger = logging.getLogger(__name__)
 

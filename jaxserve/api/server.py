@@ -49,6 +49,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -173,7 +174,7 @@ class ApiServer:
         # Generate must exist before start (aio servers take no handlers later): it
         # answers UNAVAILABLE until the engine is connected.
         servicer: asyncio.Future = asyncio.get_running_loop().create_future()
-        pb_grpc.add_GenerateServiceServicer_to_server(_Deferred(servicer), server)
+        add_generate_service(_Deferred(servicer), server)
         await server.start()
         logger.info("api listening on %s; waiting for the engine at %s", address,
                     args.engine_address)
@@ -279,28 +280,77 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
                 else self._refuse_unary)
 
 
+class _Undecodable:
+    """A request whose bytes are no valid message (its handler answers INVALID_ARGUMENT)."""
+
+    __slots__ = ("message", "error")
+
+    def __init__(self, message: str, error: str) -> None:
+        self.message = message  # the expected message type's full name
+        self.error = error
+
+
+def _decoder(message_type: Any) -> Any:
+    """``message_type.FromString`` that returns an ``_Undecodable`` instead of raising."""
+    def decode(data: bytes) -> Any:
+        try:
+            return message_type.FromString(data)
+        except DecodeError as err:
+            return _Undecodable(message_type.DESCRIPTOR.full_name, str(err))
+    return decode
+
+
+def add_generate_service(servicer: pb_grpc.GenerateServiceServicer, server: grpc.aio.Server) -> None:
+    """``pb_grpc.add_GenerateServiceServicer_to_server`` with decoders that never raise.
+
+    gRPC answers a request its deserializer cannot parse (corrupt bytes,
+    invalid UTF-8 in a string field) with UNKNOWN; these decoders hand the
+    handler an ``_Undecodable`` instead, which ``_Deferred`` refuses with
+    INVALID_ARGUMENT naming the message type.
+    """
+    methods = (("Generate", grpc.unary_stream_rpc_method_handler, pb.GenerateRequest,
+                pb.GenerateResponse),
+               ("GetModelInfo", grpc.unary_unary_rpc_method_handler, pb.GetModelInfoRequest,
+                pb.GetModelInfoResponse),
+               ("Tokenize", grpc.unary_unary_rpc_method_handler, pb.TokenizeRequest,
+                pb.TokenizeResponse))
+    handlers = {name: make(getattr(servicer, name), request_deserializer=_decoder(request),
+                           response_serializer=response.SerializeToString)
+                for name, make, request, response in methods}
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME,
+                                                                          handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
 class _Deferred(pb_grpc.GenerateServiceServicer):
-    """Forwards to the ``GenerateServicer`` once it exists; UNAVAILABLE before."""
+    """Forwards to the ``GenerateServicer`` once it exists; UNAVAILABLE before.
+
+    An undecodable request gets INVALID_ARGUMENT (field ``request``).
+    """
 
     def __init__(self, servicer: asyncio.Future) -> None:
         self._servicer = servicer
 
-    async def _target(self, context: grpc.aio.ServicerContext) -> GenerateServicer:
+    async def _target(self, request: Any, context: grpc.aio.ServicerContext) -> GenerateServicer:
+        if isinstance(request, _Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"request: not a valid {request.message} message: "
+                                f"{request.error}")
         if not self._servicer.done():
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 "the server is starting: the engine is not ready yet")
         return self._servicer.result()
 
     async def Generate(self, request, context):
-        servicer = await self._target(context)
+        servicer = await self._target(request, context)
         async for response in servicer.Generate(request, context):
             yield response
 
     async def GetModelInfo(self, request, context):
-        return await (await self._target(context)).GetModelInfo(request, context)
+        return await (await self._target(request, context)).GetModelInfo(request, context)
 
     async def Tokenize(self, request, context):
-        return await (await self._target(context)).Tokenize(request, context)
+        return await (await self._target(request, context)).Tokenize(request, context)
 
 
 def _model_name(model: str) -> str:

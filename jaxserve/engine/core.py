@@ -61,6 +61,7 @@ from jaxserve.engine.plan_builder import build_plan
 from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.scheduler import ScheduledStep, Scheduler
 from jaxserve.step_plan import Geometry, StepPlan, StepResult, Worker, WorkerDiedError
+from jaxserve.validation import RequestLimits
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +88,8 @@ class EngineCore:
     Attributes:
       config: the resolved configuration.
       geometry: what the worker reported.
+      limits: the ``RequestLimits`` every request is checked against (the
+        geometry's vocabulary, length and EOS ids; ``max_num_seqs``).
       num_steps: steps whose results were applied.
       schedule_seconds: CPU seconds spent in schedule + plan + update, in total.
       worker_seconds / device_seconds: the worker's reported wall time per
@@ -98,6 +101,10 @@ class EngineCore:
         self.worker = worker
         self.geometry: Geometry = worker.initialize(config.worker_init())
         self.config = config.resolved(self.geometry)
+        self.limits = RequestLimits(
+            vocab_size=self.geometry.vocab_size, max_model_len=self.config.max_model_len,
+            max_num_seqs=self.config.scheduler.max_num_seqs,
+            eos_token_ids=self.geometry.eos_token_ids)
         self.scheduler = Scheduler(self.config)
         self.async_scheduling = config.async_scheduling
         self.num_steps = 0
@@ -118,14 +125,25 @@ class EngineCore:
 
     # -------------------------------------------------------------- requests
     def add_request(self, request: EngineCoreRequest) -> None:
-        """Queues a request.
+        """Checks a request against ``limits`` (``jaxserve.validation``), then queues it.
+
+        Anything the worker would refuse is refused here, so a queued request
+        never fails a step. ``max_tokens`` beyond the room the prompt leaves
+        is capped there (the sequence finishes with "length").
 
         Raises:
-          ValueError: an invalid request (see ``Scheduler.add_request``).
+          jaxserve.validation.InvalidArgument: a ``ValueError`` naming the
+            field (``prompt_token_ids``, ``sampling_params.<name>``); also an
+            unfinished request's id again, or a prompt beyond the step budget
+            without chunked prefill (``Scheduler.add_request``).
+          jaxserve.validation.Unsupported: a ``NotImplementedError`` too
+            (``sampling_params.prompt_logprobs``).
           WorkerDiedError: the engine stopped serving.
         """
         self._check_serving()
-        self.scheduler.add_request(request, self.geometry.vocab_size)
+        self.limits.check(request.prompt_token_ids, request.sampling_params,
+                          prompt_field="prompt_token_ids")
+        self.scheduler.add_request(request)
 
     def abort_requests(self, ids: Iterable[str | tuple[str, int]]) -> None:
         """Aborts whole requests (ids) or single sequences ((id, index)); frees their blocks."""

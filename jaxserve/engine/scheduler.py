@@ -38,6 +38,7 @@ from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.messages import EngineCoreOutput, EngineCoreRequest, SampleLogprobs
 from jaxserve.engine.request import FINISH_REASONS, Request, RequestGroup, RequestStatus
 from jaxserve.step_plan import StepResult
+from jaxserve.validation import InvalidArgument
 
 _ORDER = lambda r: r.order  # noqa: E731
 
@@ -97,34 +98,26 @@ class Scheduler:
         self._arrivals = 0
 
     # --------------------------------------------------------------- requests
-    def add_request(self, request: EngineCoreRequest, vocab_size: int | None = None) -> None:
-        """Queues a request (``n`` sequences).
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queues a request (``n`` sequences) that ``jaxserve.validation`` accepted.
+
+        ``EngineCore.add_request`` checks the request against the model's
+        limits first; here only what depends on the scheduler's state and
+        configuration is checked.
 
         Raises:
-          ValueError: duplicate unfinished request id; empty prompt; prompt
-            leaving no room below ``max_model_len``; token ids outside the
-            vocabulary; parameters the worker's sampler cannot run
-            (``SamplingParams.check_sampler_limits``, given ``vocab_size``);
-            a prompt longer than the budget without chunked prefill.
-          NotImplementedError: ``prompt_logprobs`` (not supported).
+          InvalidArgument: the id of an unfinished request (``request_id``); a
+            prompt longer than the step budget without chunked prefill
+            (``prompt_token_ids``).
         """
         rid, prompt, sp = request.request_id, request.prompt_token_ids, request.sampling_params
         if rid in self.groups:
-            raise ValueError(f"request_id {rid!r} is already in use")
-        if not prompt:
-            raise ValueError("prompt_token_ids must not be empty")
-        if len(prompt) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(prompt)} tokens; max_model_len is "
-                             f"{self.max_model_len} (at least one token must be generated)")
-        if vocab_size is not None:
-            if min(prompt) < 0 or max(prompt) >= vocab_size:
-                raise ValueError(f"prompt_token_ids must be in [0, {vocab_size})")
-            sp.check_sampler_limits(vocab_size, self.config.eos_token_ids)
+            raise InvalidArgument("request_id", f"{rid!r} is already in use")
         if not self.chunked_prefill and len(prompt) > self.max_num_batched_tokens:
-            raise ValueError(f"prompt has {len(prompt)} tokens, more than max_num_batched_tokens "
-                             f"({self.max_num_batched_tokens}) without chunked prefill")
-        if sp.prompt_logprobs is not None:
-            raise NotImplementedError("prompt_logprobs is not supported")
+            raise InvalidArgument("prompt_token_ids",
+                                  f"the prompt has {len(prompt)} tokens, more than "
+                                  f"max_num_batched_tokens ({self.max_num_batched_tokens}) "
+                                  f"without chunked prefill")
         group = RequestGroup(rid)
         caching = self.block_manager.enable_caching
         # Siblings share the prompt through the cache; with caching off, under

@@ -3,7 +3,7 @@
 Used on both sides of the wire: the client builds ``SamplingParams`` messages
 from keyword arguments or a ``jaxserve.SamplingParams``; the api process turns
 a message back into keyword arguments (``sampling_params_kwargs_from_proto``)
-and validates them (``jaxserve.api.validation``). Neither direction validates
+and validates them (``jaxserve.validation``). Neither direction validates
 ranges: that is ``SamplingParams``' job, on the server.
 
 Presence: every scalar field of the ``SamplingParams`` message is ``optional``,

@@ -30,7 +30,6 @@ import numpy as np
 
 from jaxserve.step_plan import NewRow
 from jaxserve.worker.sampler import SamplerVariant, build_sampling_metadata, covering_variant
-from jaxserve.worker.sampler.metadata import DEFAULT_BANNED_WIDTH, DEFAULT_LOGIT_BIAS_WIDTH
 from jaxserve.worker.sampler.variants import STAGES, required_stages
 
 # Per-row sampler fields copied from build_sampling_metadata (one row at a time).
@@ -106,8 +105,7 @@ class RowState:
         meta = build_sampling_metadata(
             [sp], prompt_token_ids=[ids[:new.num_prompt_tokens]],
             output_token_ids=[ids[new.num_prompt_tokens:]], vocab_size=self.vocab_size,
-            eos_token_ids=self.eos_token_ids, logit_bias_width=DEFAULT_LOGIT_BIAS_WIDTH,
-            banned_width=DEFAULT_BANNED_WIDTH)
+            eos_token_ids=self.eos_token_ids)  # widths: MAX_LOGIT_BIAS, MAX_STOP_IDS
         for f in PARAM_FIELDS:
             self.params[f][r] = getattr(meta, f)[0]
         self.in_use[r] = True

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 MODULES = ["jaxserve.api.detokenizer", "jaxserve.api.stop_strings",
-           "jaxserve.api.incremental_output", "jaxserve.api.validation",
+           "jaxserve.api.incremental_output", "jaxserve.api.validation", "jaxserve.validation",
            "jaxserve.proto.convert", "jaxserve.proto.generate_pb2_grpc", "jaxserve.client"]
 
 

@@ -14,11 +14,11 @@ import sys
 import pytest
 
 from jaxserve.api.completions import RequestTracker
-from jaxserve.api.prompts import MAX_LOGIT_BIAS, MAX_STOP_IDS, RequestPreparer, Unsupported
-from jaxserve.api.validation import InvalidArgument
+from jaxserve.api.prompts import RequestPreparer
 from jaxserve.engine.messages import EngineCoreOutput, SampleLogprobs
 from jaxserve.proto import generate_pb2 as pb
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_IDS, SamplingParams
+from jaxserve.validation import InvalidArgument, Unsupported
 
 TEXT = "Hello there, general Kenobi! The café serves crème brûlée — 東京 😀."
 SERVER_MODULES = ["jaxserve.api.server", "jaxserve.api.generate_service",
@@ -103,26 +103,24 @@ def test_abort_finishes_every_completion(tokenizer):
     assert responses[0].finished.completion_tokens == 5 and tracker.done
 
 
-def test_server_limits_match_the_sampler_and_name_the_field(tokenizer):
-    from jaxserve.worker.sampler.metadata import DEFAULT_BANNED_WIDTH, DEFAULT_LOGIT_BIAS_WIDTH
-
-    assert (MAX_LOGIT_BIAS, MAX_STOP_IDS) == (DEFAULT_LOGIT_BIAS_WIDTH, DEFAULT_BANNED_WIDTH)
+def test_server_limits_name_the_field(tokenizer):
     prep = RequestPreparer(tokenizer, vocab_size=49152, max_model_len=64, eos_token_ids=[2],
                            max_num_seqs=4)
     ids = list(range(100, 100 + MAX_STOP_IDS))
-    prep.check_limits(SamplingParams(stop_token_ids=ids, ignore_eos=True))  # EOS not counted
-    prep.check_limits(SamplingParams(stop_token_ids=ids[:-1]))
-    prep.check_limits(SamplingParams(logit_bias={i: 1.0 for i in range(MAX_LOGIT_BIAS)}))
+    check = prep.limits.check_params
+    check(SamplingParams(stop_token_ids=ids, ignore_eos=True))  # EOS not counted
+    check(SamplingParams(stop_token_ids=ids[:-1]))
+    check(SamplingParams(logit_bias={i: 1.0 for i in range(MAX_LOGIT_BIAS)}))
     cases = [(SamplingParams(stop_token_ids=ids), "sampling_params.stop_token_ids"),
              (SamplingParams(logit_bias={i: 1.0 for i in range(MAX_LOGIT_BIAS + 1)}),
               "sampling_params.logit_bias"),
              (SamplingParams(n=5), "sampling_params.n")]
     for params, field in cases:
         with pytest.raises(InvalidArgument) as err:
-            prep.check_limits(params)
+            check(params)
         assert err.value.field == field and str(err.value).startswith(field + ":")
     with pytest.raises(Unsupported):
-        prep.check_limits(SamplingParams(prompt_logprobs=0))
+        check(SamplingParams(prompt_logprobs=0))
     request = pb.GenerateRequest(text="Hi", sampling_params=pb.SamplingParams(max_tokens=70))
     with pytest.raises(InvalidArgument) as err:
         prep.prepare(request)
@@ -196,3 +194,17 @@ def test_a_busy_metrics_port_fails_at_once_with_a_one_line_error(demo_model_dir)
     assert proc.returncode == 1, proc.stderr
     assert f"--metrics-port {port}: cannot listen" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_undecodable_request_bytes_reach_the_handler_as_a_value():
+    # Regression (found by tests/e2e/test_fuzz_server.py): gRPC answered UNKNOWN when the
+    # request's bytes did not parse; the api's decoders hand the handler a value instead,
+    # which it refuses with INVALID_ARGUMENT.
+    from jaxserve.api.server import _decoder, _Undecodable
+
+    decode = _decoder(pb.GenerateRequest)
+    assert decode(pb.GenerateRequest(text="hi").SerializeToString()).text == "hi"
+    for wire, why in ((b"\x12\x02\xff\xfe", "UTF-8"), (b"\xff\xff\xff\xff", "")):
+        bad = decode(wire)
+        assert isinstance(bad, _Undecodable) and bad.message == "jaxserve.GenerateRequest"
+        assert why in bad.error

@@ -11,15 +11,20 @@ import random
 
 import pytest
 
-from jaxserve.api.validation import (InvalidArgument, sampling_params_from_kwargs,
-                                     sampling_params_from_proto, validate_chat, validate_request,
-                                     validate_text)
+from jaxserve.api.validation import sampling_params_from_proto, validate_chat, validate_text
 from jaxserve.proto import generate_pb2 as pb
 from jaxserve.proto.convert import (SAMPLING_FIELDS, sampling_params_kwargs_from_proto,
                                     sampling_params_to_proto)
 from jaxserve.sampling_params import MAX_LOGPROBS, SamplingParams
+from jaxserve.validation import InvalidArgument, RequestLimits, sampling_params_from_kwargs
 
 VOCAB, MAX_LEN = 1000, 64
+LIMITS = RequestLimits(vocab_size=VOCAB, max_model_len=MAX_LEN, max_num_seqs=8)
+
+
+def _validate(prompt, params, *, prompt_field="token_ids", default_max_tokens=None):
+    return LIMITS.validate(prompt, params, prompt_field=prompt_field,
+                           default_max_tokens=default_max_tokens)
 
 # (field, wire values): each must be rejected with INVALID_ARGUMENT naming sampling_params.<field>.
 BAD_SAMPLING = [
@@ -115,7 +120,7 @@ def test_client_side_conversion_errors_name_field():
         sampling_params_to_proto({"temprature": 1.0})
 
 
-# (prompt ids, params, field) for validate_request with VOCAB / MAX_LEN.
+# (prompt ids, params, field) for RequestLimits.validate with VOCAB / MAX_LEN.
 BAD_REQUESTS = [
     ([], SamplingParams(), "token_ids"),
     ([1, VOCAB, 2], SamplingParams(), "token_ids"),
@@ -131,43 +136,36 @@ BAD_REQUESTS = [
 @pytest.mark.parametrize("prompt, params, field", BAD_REQUESTS)
 def test_bad_request_names_field(prompt, params, field):
     with pytest.raises(InvalidArgument) as info:
-        validate_request(prompt, params, vocab_size=VOCAB, max_model_len=MAX_LEN)
+        _validate(prompt, params)
     assert info.value.field == field and str(info.value).startswith(field + ": ")
 
 
 def test_prompt_field_name_follows_the_request():
     with pytest.raises(InvalidArgument, match=r"^chat\.messages: "):
-        validate_request([], SamplingParams(), vocab_size=VOCAB, max_model_len=MAX_LEN,
-                         prompt_field="chat.messages")
+        _validate([], SamplingParams(),                          prompt_field="chat.messages")
 
 
 def test_length_limits_exact():
     prompt = list(range(60))
-    ok = validate_request(prompt, SamplingParams(max_tokens=4), vocab_size=VOCAB,
-                          max_model_len=MAX_LEN)
+    ok = _validate(prompt, SamplingParams(max_tokens=4))
     assert ok.max_tokens == 4  # 60 + 4 == 64 fits exactly
-    resolved = validate_request(prompt, SamplingParams(max_tokens=None, min_tokens=4),
-                                vocab_size=VOCAB, max_model_len=MAX_LEN)
+    resolved = _validate(prompt, SamplingParams(max_tokens=None, min_tokens=4))
     assert resolved.max_tokens == MAX_LEN - len(prompt) and resolved.min_tokens == 4
-    edge = validate_request(list(range(MAX_LEN - 1)), SamplingParams(max_tokens=None),
-                            vocab_size=VOCAB, max_model_len=MAX_LEN)
+    edge = _validate(list(range(MAX_LEN - 1)), SamplingParams(max_tokens=None))
     assert edge.max_tokens == 1
-    assert validate_request([VOCAB - 1, 0], SamplingParams(), vocab_size=VOCAB,
-                            max_model_len=MAX_LEN) == SamplingParams()
+    assert _validate([VOCAB - 1, 0], SamplingParams()) == SamplingParams()
 
 
 def test_a_default_max_tokens_is_capped_by_the_room_and_raised_to_min_tokens():
     def resolve(prompt_len, default, **params):
-        return validate_request(list(range(prompt_len)), SamplingParams(max_tokens=None, **params),
-                                vocab_size=VOCAB, max_model_len=MAX_LEN,
+        return _validate(list(range(prompt_len)), SamplingParams(max_tokens=None, **params),
                                 default_max_tokens=default).max_tokens
 
     assert resolve(10, 8) == 8  # the default, room allowing
     assert resolve(60, 8) == MAX_LEN - 60  # never longer than the room left
     assert resolve(10, 8, min_tokens=12) == 12  # min_tokens is a floor
     assert resolve(10, None) == MAX_LEN - 10  # no default: the room left
-    explicit = validate_request(list(range(10)), SamplingParams(max_tokens=30), vocab_size=VOCAB,
-                                max_model_len=MAX_LEN, default_max_tokens=8)
+    explicit = _validate(list(range(10)), SamplingParams(max_tokens=30), default_max_tokens=8)
     assert explicit.max_tokens == 30
 
 

@@ -30,12 +30,12 @@ from google.protobuf.descriptor_pool import DescriptorPool
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer
 
-from jaxserve.api.prompts import MAX_LOGIT_BIAS, MAX_STOP_IDS
 from jaxserve.client import Client, JaxServeError
 from jaxserve.client.types import build_generate_request
 from jaxserve.procutil import free_port
 from jaxserve.proto import generate_pb2 as pb
 from jaxserve.proto import generate_pb2_grpc as pb_grpc
+from jaxserve.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_IDS
 from tests.e2e.helpers import serve, wait_all_blocks_free
 
 pytestmark = pytest.mark.slow

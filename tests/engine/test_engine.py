@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from jaxserve.engine import CacheConfig, EngineConfig, EngineCore, EngineCoreRequest, SchedulerConfig
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_IDS, SamplingParams
+from jaxserve.validation import InvalidArgument
 from tests.engine.fake_worker import FakeWorker, expected_completion, reference_tokens
 
 EOS = (0,)
@@ -192,19 +193,36 @@ def test_a_sequence_named_twice_in_one_abort_ends_once():
     assert sorted(engine.scheduler.free_rows) == [0, 1, 2, 3]
 
 
-def test_invalid_requests_are_rejected():
-    engine, _ = _engine()
+def test_invalid_requests_are_rejected_naming_the_field():
+    engine, _ = _engine(max_num_seqs=4)
     engine.add_request(EngineCoreRequest("a", [1, 2], SamplingParams()))
-    with pytest.raises(ValueError, match="already in use"):
-        engine.add_request(EngineCoreRequest("a", [1, 2], SamplingParams()))
-    with pytest.raises(ValueError, match="empty"):
-        engine.add_request(EngineCoreRequest("b", [], SamplingParams()))
-    with pytest.raises(ValueError, match="max_model_len"):
-        engine.add_request(EngineCoreRequest("c", [1] * MAX_LEN, SamplingParams()))
-    with pytest.raises(ValueError, match="prompt_token_ids"):
-        engine.add_request(EngineCoreRequest("d", [1, 64], SamplingParams()))
+    prompt, sp = "prompt_token_ids", "sampling_params."
+    cases = [
+        (EngineCoreRequest("a", [1, 2], SamplingParams()), "request_id"),  # still running
+        (EngineCoreRequest("b", [], SamplingParams()), prompt),
+        (EngineCoreRequest("c", [1] * MAX_LEN, SamplingParams()), prompt),
+        (EngineCoreRequest("d", [1, 64], SamplingParams()), prompt),  # V = 64
+        (EngineCoreRequest("e", [1], SamplingParams(stop_token_ids=[64])), sp + "stop_token_ids"),
+        (EngineCoreRequest("f", [1], SamplingParams(
+            stop_token_ids=list(range(1, MAX_STOP_IDS + 1)))), sp + "stop_token_ids"),  # + EOS
+        (EngineCoreRequest("g", [1], SamplingParams(logit_bias={64: 1.0})), sp + "logit_bias"),
+        (EngineCoreRequest("h", [1], SamplingParams(
+            logit_bias={i: 1.0 for i in range(MAX_LOGIT_BIAS + 1)})), sp + "logit_bias"),
+        (EngineCoreRequest("i", [1], SamplingParams(n=5)), sp + "n"),
+    ]
+    for request, field in cases:
+        with pytest.raises(InvalidArgument) as err:
+            engine.add_request(request)
+        assert isinstance(err.value, ValueError) and err.value.field == field, request
+        assert str(err.value).startswith(field + ": ")
     with pytest.raises(NotImplementedError):
-        engine.add_request(EngineCoreRequest("e", [1], SamplingParams(prompt_logprobs=1)))
+        engine.add_request(EngineCoreRequest("j", [1], SamplingParams(prompt_logprobs=1)))
+    # Refused requests hold nothing: only "a" is queued.
+    assert list(engine.scheduler.groups) == ["a"]
+    # The limits themselves are accepted (EOS not counted with ignore_eos).
+    engine.add_request(EngineCoreRequest("k", [1], SamplingParams(
+        n=4, stop_token_ids=list(range(1, MAX_STOP_IDS + 1)), ignore_eos=True,
+        logit_bias={i: 1.0 for i in range(MAX_LOGIT_BIAS)})))
 
 
 def test_decode_plans_are_o_rows_and_buckets_are_on_the_ladder():

@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import collections
 
+import pytest
 from hypothesis import event, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from jaxserve.engine import CacheConfig, EngineConfig, EngineCore, EngineCoreRequest, SchedulerConfig
 from jaxserve.engine.request import RequestStatus
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.validation import InvalidArgument
 from tests.engine.fake_worker import FakeWorker, expected_completion
 
 BLOCK_SIZE = 4
@@ -73,6 +75,11 @@ class EngineMachine(RuleBasedStateMachine):
                             ignore_eos=ignore_eos, stop_token_ids=stop)
         rid = f"r{self.next_id}"
         self.next_id += 1
+        if n > sched.max_num_seqs:  # more completions than rows: refused, nothing queued
+            with pytest.raises(InvalidArgument, match=r"^sampling_params\.n: "):
+                self.engine.add_request(EngineCoreRequest(rid, prompt, sp, cache_salt=salt))
+            assert rid not in sched.groups
+            return
         self.engine.add_request(EngineCoreRequest(rid, prompt, sp, cache_salt=salt))
         self.prompts[rid] = (prompt, sp)
 

@@ -47,7 +47,7 @@ from jaxserve.api.openai.protocol import (ChatCompletionRequest, CompletionReque
 from jaxserve.api.openai.serving import (OpenAIResult, OpenAIServing, check_model, error_body,
                                          http_status)
 from jaxserve.api.runner import ApiError, RequestRunner
-from jaxserve.api.validation import check_token_ids
+from jaxserve.validation import check_token_ids
 
 _OPEN_PATHS = ("/health",)  # reachable without the API key (probes)
 
@@ -194,7 +194,7 @@ def build_app(front: HttpFrontEnd) -> FastAPI:
         runner = front._serving().runner
         return {"object": "list", "data": [{
             "id": runner.model_name, "object": "model", "created": int(time.time()),
-            "owned_by": "jaxserve", "max_model_len": runner.preparer.max_model_len}]}
+            "owned_by": "jaxserve", "max_model_len": runner.preparer.limits.max_model_len}]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> dict[str, Any]:
@@ -229,7 +229,7 @@ def build_app(front: HttpFrontEnd) -> FastAPI:
         else:
             ids = serving.chat_prompt(ChatCompletionRequest(
                 messages=body.messages, add_generation_prompt=body.add_generation_prompt))
-        return {"count": len(ids), "max_model_len": runner.preparer.max_model_len, "tokens": ids}
+        return {"count": len(ids), "max_model_len": runner.preparer.limits.max_model_len, "tokens": ids}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
@@ -237,7 +237,7 @@ def build_app(front: HttpFrontEnd) -> FastAPI:
         runner = serving.runner
         check_model(runner, body.model)
         with runner.preparer_errors():
-            check_token_ids(body.tokens, vocab_size=runner.preparer.vocab_size, field="tokens")
+            check_token_ids(body.tokens, vocab_size=runner.preparer.limits.vocab_size, field="tokens")
         return {"prompt": serving.tokenizer.decode(body.tokens)}
 
     return app

@@ -26,8 +26,6 @@ from jaxserve.sampling_params import (MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_IDS
 
 LogprobsMode = Literal["raw", "processed"]
 LOGPROBS_MODES = ("raw", "processed")
-DEFAULT_LOGIT_BIAS_WIDTH = MAX_LOGIT_BIAS  # NB: most logit_bias entries per request
-DEFAULT_BANNED_WIDTH = MAX_STOP_IDS  # NE: most stop token ids + EOS ids per request
 
 _DATA_FIELDS = (
     "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
@@ -134,8 +132,8 @@ def build_sampling_metadata(
     num_rows: int | None = None,
     max_num_logprobs: int = MAX_LOGPROBS,
     logprobs_mode: LogprobsMode = "raw",
-    logit_bias_width: int = DEFAULT_LOGIT_BIAS_WIDTH,
-    banned_width: int = DEFAULT_BANNED_WIDTH,
+    logit_bias_width: int = MAX_LOGIT_BIAS,
+    banned_width: int = MAX_STOP_IDS,
 ) -> SamplingMetadata:
     """Builds host (NumPy) metadata for the requests in ``params``.
 
@@ -151,7 +149,9 @@ def build_sampling_metadata(
       num_rows: R >= len(params) (the bucket); extra rows are padding.
       max_num_logprobs: static NL; must cover every request's ``logprobs``.
       logprobs_mode: "raw" or "processed" (see ``SamplingMetadata``).
-      logit_bias_width: NB; banned_width: NE (fixed per server).
+      logit_bias_width: NB; banned_width: NE (fixed per server; the defaults are
+        ``MAX_LOGIT_BIAS`` and ``MAX_STOP_IDS`` of ``jaxserve.sampling_params``, the
+        limits ``jaxserve.validation`` enforces on requests).
 
     Returns:
       SamplingMetadata with NumPy leaves (``jax.device_put`` it, or pass it
