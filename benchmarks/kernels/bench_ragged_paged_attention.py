@@ -41,7 +41,7 @@ from benchmarks.kernels.device_timing import device_seconds
 from pallas_kernels import rpa_kernel
 from pallas_kernels.ragged_paged_attention import (ragged_paged_attention,
                                                    ragged_paged_attention_reference)
-from pallas_kernels.tuning import num_kv_splits, tuning_for
+from pallas_kernels.tuning import TuningConfig, num_kv_splits, tuning_for
 
 log = logging.getLogger("bench_rpa")
 
@@ -116,11 +116,11 @@ def max_blocks(case: Case) -> int:
     return max(-(-(q + c) // case.block_size) for q, c in case.rows)
 
 
-def cost_bytes(case: Case, dtype) -> int:
-    """Bytes one kernel call moves by its ``CostEstimate`` (same tuning and split count)."""
+def cost_bytes(case: Case, dtype, tuning: TuningConfig | None = None) -> int:
+    """Bytes one kernel call moves by its ``CostEstimate`` (same tuning, so same split count)."""
     dtype = jnp.dtype(dtype)
     mb = max_blocks(case)
-    tuning = tuning_for(case.head_dim, case.block_size, dtype)
+    tuning = tuning or tuning_for(case.head_dim, case.block_size, dtype)
     splits = num_kv_splits(tuning, num_tokens=case.num_tokens, num_rows=len(case.rows),
                            num_kv_heads=case.num_kv_heads, max_context=mb * case.block_size)
     estimate = rpa_kernel.cost_estimate(

@@ -9,7 +9,6 @@ import pytest
 
 from benchmarks.kernels import bench_ragged_paged_attention as bench
 from benchmarks.kernels import device_timing
-from pallas_kernels import rpa_kernel
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="CPU path of the benchmark")
