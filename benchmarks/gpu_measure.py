@@ -7,7 +7,9 @@ it with a time limit). In one process, in this order:
    quick grid — Llama-3-8B decode steps of 1 / 64 / 256 rows at 2k and 8k
    context, bfloat16, timed on the device (n and 2n calls chained in one
    jitted call) — each case's error against the jnp reference and the
-   bandwidth of the ``CostEstimate`` bytes as a share of peak HBM;
+   bandwidth of the ``CostEstimate`` bytes as a share of peak HBM, with the
+   device's busy time per call from a ``jax.profiler`` trace beside it
+   (``trace_us``; traces kept in ``kernel_trace/`` next to the JSON);
 2. ``decode``: ``benchmarks/llama8b_decode.py`` — the worker's served step of
    a Llama-3-8B-shaped model (random weights) at each ``--decode-batch`` and
    ``--context``, synchronous and dispatched ahead, against the
@@ -16,7 +18,8 @@ it with a time limit). In one process, in this order:
 The JSON is rewritten after each section, so a run cut short keeps what it
 finished; a section that raises is recorded as ``{"error": ...}`` and the
 next one still runs. ``summary`` gathers the headline numbers: per kernel
-case ``pct_of_peak``, per decode step ``ratio_to_weight_floor``.
+case ``pct_of_peak`` and (chained, traced) µs, per decode step
+``ratio_to_weight_floor``.
 
 On a CPU the same code runs (kernel in interpret mode on the benchmark's CPU
 cases; pass a narrowed model for the decode, as tests/benchmarks does): a
@@ -54,9 +57,11 @@ def _write(path: str, result: dict) -> None:
 
 def _kernel_section(opts, on_gpu: bool) -> dict:
     dtype = opts.kernel_dtype or ("bfloat16" if on_gpu else "float32")
+    trace_dir = os.path.join(os.path.dirname(os.path.abspath(opts.json)), "kernel_trace")
     rows = kernel_bench.run(dtype, opts.kernel_iters, opts.peak_gbps, quick=True,
-                            time_on_cpu=not on_gpu, repeats=opts.kernel_repeats)
-    return dict(dtype=dtype, iters=opts.kernel_iters, cases=rows)
+                            time_on_cpu=not on_gpu, repeats=opts.kernel_repeats,
+                            trace_dir=trace_dir)
+    return dict(dtype=dtype, iters=opts.kernel_iters, trace_dir=trace_dir, cases=rows)
 
 
 def _decode_section(opts) -> dict:
@@ -80,6 +85,8 @@ def summarize(result: dict) -> dict:
     kernel = result.get("kernel", {})
     if "cases" in kernel:
         summary["kernel_pct_of_peak"] = {r["case"]: r.get("pct_of_peak") for r in kernel["cases"]}
+        summary["kernel_us"] = {r["case"]: (r.get("kernel_us"), r.get("trace_us"))
+                                for r in kernel["cases"]}
         summary["kernel_agrees"] = all(r["agrees"] for r in kernel["cases"])
     decode = result.get("decode", {})
     if "steps" in decode:

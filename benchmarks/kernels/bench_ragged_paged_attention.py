@@ -12,8 +12,9 @@ by device kind; ``--peak-gbps`` overrides). The K/V bytes alone are reported
 beside it. The device time comes from ``device_timing.device_seconds``: n and
 2n calls chained inside one jitted call, ``(t(2n) - t(n)) / n`` — not one host
 round trip per call, which on a GPU measures dispatch (that number is kept as
-``host_sync_us`` for contrast). It also checks the kernel against the jnp
-reference on every case.
+``host_sync_us`` for contrast); ``--trace DIR`` cross-checks it with the
+device's busy time in a ``jax.profiler`` trace (``trace_us``). It also checks
+the kernel against the jnp reference on every case.
 
 On a CPU: the same code on two small demo-model shapes, the kernel in Pallas
 interpret mode; it checks agreement, and with ``--time-on-cpu`` runs the
@@ -22,7 +23,7 @@ beyond the per-dtype bound.
 
 Usage:
   python -m benchmarks.kernels.bench_ragged_paged_attention [--dtype bfloat16]
-      [--iters 32] [--peak-gbps 3350] [--json results.json] [--quick]
+      [--iters 32] [--peak-gbps 3350] [--json results.json] [--quick] [--trace DIR]
 """
 
 from __future__ import annotations
@@ -31,13 +32,14 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.kernels.device_timing import device_seconds
+from benchmarks.kernels.device_timing import device_seconds, trace_seconds
 from pallas_kernels import rpa_kernel
 from pallas_kernels.ragged_paged_attention import (ragged_paged_attention,
                                                    ragged_paged_attention_reference)
@@ -152,12 +154,15 @@ def relative_error(out, ref) -> float:
 
 
 def run(dtype_name: str, iters: int, peak_gbps: float | None, quick: bool,
-        time_on_cpu: bool = False, repeats: int = 5) -> list[dict]:
+        time_on_cpu: bool = False, repeats: int = 5, trace_dir: str | None = None) -> list[dict]:
     """Runs every case; returns one dict per case (also printed as a line).
 
     On a GPU every case is timed (``iters`` = n of ``device_seconds``); on a
     CPU only with ``time_on_cpu`` (a test of the timing code, not a
-    measurement). Times in µs, bandwidth in GB/s (1e9 bytes/s).
+    measurement). Times in µs, bandwidth in GB/s (1e9 bytes/s). With
+    ``trace_dir``, each timed case is also traced (``trace_seconds``, a
+    folder per case): ``trace_us`` is the device's busy time per call, None
+    where the trace has no device timeline (a CPU).
     """
     dtype = jnp.dtype(dtype_name)
     on_gpu = jax.default_backend() == "gpu"
@@ -191,6 +196,12 @@ def run(dtype_name: str, iters: int, peak_gbps: float | None, quick: bool,
                        achieved_gbps=moved / sec / 1e9, pct_of_peak=100 * moved / sec / peak,
                        kv_pct_of_peak=100 * kv / sec / peak,
                        peak_gbps=peak / 1e9, peak_source=peak_source)
+            if trace_dir:
+                traced = trace_seconds(kernel, args[0], args[1:], iters=iters,
+                                       trace_dir=os.path.join(trace_dir, case.name))
+                row["trace_us"] = None if traced is None else traced["seconds"] * 1e6
+                row["trace_events_per_call"] = None if traced is None else traced[
+                    "events_per_call"]
         results.append(row)
         print(_format(row), flush=True)
         del args
@@ -204,6 +215,8 @@ def _format(row: dict) -> str:
         text += (f"  kernel {row['kernel_us']:9.1f} us (host-synced {row['host_sync_us']:9.1f})"
                  f"  {row['achieved_gbps']:7.0f} GB/s = {row['pct_of_peak']:5.1f}% of peak"
                  f" (K/V alone {row['kv_pct_of_peak']:5.1f}%)")
+    if row.get("trace_us") is not None:
+        text += f"  trace {row['trace_us']:9.1f} us"
     return text
 
 
@@ -219,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true",
                         help="GPU: rows 1 / 64 / 256 at 2k and 8k, no mixed step")
     parser.add_argument("--json", default=None, help="write the results to this file")
+    parser.add_argument("--trace", default=None,
+                        help="also profile each case's chain into this folder (trace_us)")
     parser.add_argument("--time-on-cpu", action="store_true",
                         help="time the interpret-mode kernel too (tests the timing code)")
     opts = parser.parse_args(argv)
@@ -227,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     dtype = opts.dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
     log.info("backend %s, device %s", jax.default_backend(), jax.devices()[0].device_kind)
     iters = opts.iters or (32 if jax.default_backend() == "gpu" else 1)
-    results = run(dtype, iters, opts.peak_gbps, opts.quick, opts.time_on_cpu, opts.repeats)
+    results = run(dtype, iters, opts.peak_gbps, opts.quick, opts.time_on_cpu, opts.repeats,
+                  opts.trace)
     if opts.json:
         with open(opts.json, "w") as f:
             json.dump(results, f, indent=1)

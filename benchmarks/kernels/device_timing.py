@@ -12,14 +12,20 @@ loop's condition on the host each iteration).
 
 The time of one call is the difference of two chains, ``(t(2n) - t(n)) / n``
 (medians over ``repeats``): the dispatch, the wait and any per-executable
-cost appear once in each chain and cancel. The same code runs on a CPU
-(where the kernel runs in interpret mode: the numbers test the code path,
-they measure nothing).
+cost appear once in each chain and cancel. ``trace_seconds`` cross-checks it
+where a ``jax.profiler`` trace has a device timeline (a GPU): the summed
+duration of the device's events while the n-call chain runs, over n. The
+same code runs on a CPU (where the kernel runs in interpret mode: the
+numbers test the code path, they measure nothing).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import glob
+import gzip
+import json
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -106,3 +112,45 @@ def device_seconds(fn: Callable[..., jax.Array], q: jax.Array, rest: tuple, *, i
     diff = (t_long - t_short) / iters
     return DeviceTiming(seconds=diff if diff > 0 else chain_s, chain_seconds=chain_s,
                         host_sync_seconds=host_sync, iters=iters, differential=diff > 0)
+
+
+def device_busy_seconds(trace_dir: str) -> tuple[float, int] | None:
+    """(summed seconds, count) of the device-timeline events in the newest trace under a folder.
+
+    Device timelines are the trace's processes named ``/device:...`` (a GPU's
+    streams; not ``/host:CPU``). None when the trace has none, as on a CPU,
+    or there is no trace.
+    """
+    files = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
+    if not files:
+        return None
+    with gzip.open(max(files, key=os.path.getmtime), "rt") as f:
+        events = json.load(f).get("traceEvents", [])
+    device_pids = {e["pid"] for e in events
+                   if e.get("ph") == "M" and e.get("name") == "process_name"
+                   and str(e.get("args", {}).get("name", "")).startswith("/device:")}
+    busy = [float(e.get("dur", 0.0)) for e in events
+            if e.get("ph") == "X" and e.get("pid") in device_pids]
+    if not busy:
+        return None
+    return sum(busy) * 1e-6, len(busy)
+
+
+def trace_seconds(fn: Callable[..., jax.Array], q: jax.Array, rest: tuple, *, iters: int,
+                  trace_dir: str) -> dict | None:
+    """Device busy time of one call of ``fn`` from a ``jax.profiler`` trace of an n-call chain.
+
+    Returns ``{"seconds": busy / n, "events_per_call": count / n}`` — every
+    device event of the chain (the kernel, any combine step, the chain's
+    ``q + eps * out`` update) — or None where the trace has no device
+    timeline (a CPU). The trace stays under ``trace_dir``.
+    """
+    chained = chain(fn, iters)
+    eps = jnp.float32(0.0)
+    jax.block_until_ready(chained(q, *rest, eps))  # compile outside the trace
+    with jax.profiler.trace(trace_dir):
+        jax.block_until_ready(chained(q, *rest, eps))
+    busy = device_busy_seconds(trace_dir)
+    if busy is None:
+        return None
+    return {"seconds": busy[0] / iters, "events_per_call": busy[1] / iters}

@@ -160,7 +160,8 @@ def test_gpu_measure_script_writes_one_json(tmp_path):
 
     cases = out["kernel"]["cases"]
     assert [c["case"] for c in cases] == [c.name for c in kernel_bench.cpu_cases()]
-    assert all(c["agrees"] and c["iters"] == 1 for c in cases)
+    assert all(c["agrees"] and c["iters"] == 1 and c["trace_us"] is None for c in cases)
+    assert list((tmp_path / "kernel_trace").rglob("*.trace.json.gz"))
     assert set(out["decode"]["steps"]) == {"1/sync", "1/dispatch_ahead"}
     assert out["decode"]["layers"] == 1 and out["decode"]["recompiles"] == 0
     summary = out["summary"]

@@ -1,5 +1,6 @@
 """The kernel micro-benchmark runs on the CPU (interpret mode) and its numbers add up."""
 
+import gzip
 import json
 
 import jax
@@ -15,7 +16,7 @@ from benchmarks.kernels import device_timing
 def test_benchmark_cpu_path(tmp_path):
     out = tmp_path / "rpa.json"
     assert bench.main(["--iters", "1", "--repeats", "1", "--time-on-cpu", "--peak-gbps", "30",
-                       "--json", str(out)]) == 0
+                       "--json", str(out), "--trace", str(tmp_path / "trace")]) == 0
     rows = json.loads(out.read_text())
     assert [r["case"] for r in rows] == [c.name for c in bench.cpu_cases()]
     for row, case in zip(rows, bench.cpu_cases()):
@@ -30,6 +31,8 @@ def test_benchmark_cpu_path(tmp_path):
         assert row["kv_pct_of_peak"] == pytest.approx(100 * row["kv_bytes"] / sec / 30e9)
         if not row["differential"]:
             assert row["kernel_us"] == row["chain_us"]
+        assert row["trace_us"] is None  # a CPU trace has no device timeline
+        assert list((tmp_path / "trace" / case.name).rglob("*.trace.json.gz"))
 
 
 def test_gpu_cases_are_the_llama3_8b_decode_grid():
@@ -87,3 +90,24 @@ def test_device_seconds_fields():
     assert timing.iters == 2 and timing.seconds > 0 and timing.host_sync_seconds > 0
     assert timing.chain_seconds > 0
     assert timing.differential or timing.seconds == timing.chain_seconds
+
+
+def test_device_busy_seconds_reads_device_timelines_only(tmp_path):
+    """A hand-made trace: two GPU stream events count, the host's do not."""
+    run = tmp_path / "plugins" / "profile" / "run1"
+    run.mkdir(parents=True)
+    events = [
+        {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
+        {"ph": "X", "pid": 1, "tid": 7, "name": "ragged_paged_attention_m16", "ts": 0, "dur": 30},
+        {"ph": "X", "pid": 1, "tid": 7, "name": "loop_add_fusion", "ts": 30, "dur": 2.5},
+        {"ph": "X", "pid": 2, "tid": 1, "name": "ExecuteOnStream", "ts": 0, "dur": 500},
+    ]
+    with gzip.open(run / "host.trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    assert device_timing.device_busy_seconds(str(tmp_path)) == (pytest.approx(32.5e-6), 2)
+    events = [e for e in events if e["pid"] == 2]
+    with gzip.open(run / "host.trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    assert device_timing.device_busy_seconds(str(tmp_path)) is None
+    assert device_timing.device_busy_seconds(str(tmp_path / "none")) is None
