@@ -103,9 +103,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="peak HBM bandwidth in GB/s (default: by device kind)")
     parser.add_argument("--kernel-dtype", default=None, choices=["bfloat16", "float32"],
                         help="default: bfloat16 on GPU, float32 on CPU")
-    parser.add_argument("--kernel-iters", type=int, default=16,
-                        help="n: chains of n and 2n kernel calls")
-    parser.add_argument("--kernel-repeats", type=int, default=5)
+    parser.add_argument("--kernel-iters", type=int, default=8,
+                        help="n: chains of n and 2n kernel calls (short: each call is one more "
+                             "kernel in the compiled program)")
+    parser.add_argument("--kernel-repeats", type=int, default=10)
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--hidden-scale", type=int, default=1, help="divide widths (smoke tests)")
     parser.add_argument("--decode-batch", default="1,64")

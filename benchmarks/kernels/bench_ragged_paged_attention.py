@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.kernels.device_timing import device_seconds, trace_seconds
+from benchmarks.kernels.device_timing import device_seconds
 from pallas_kernels import rpa_kernel
 from pallas_kernels.ragged_paged_attention import (ragged_paged_attention,
                                                    ragged_paged_attention_reference)
@@ -160,8 +160,8 @@ def run(dtype_name: str, iters: int, peak_gbps: float | None, quick: bool,
     On a GPU every case is timed (``iters`` = n of ``device_seconds``); on a
     CPU only with ``time_on_cpu`` (a test of the timing code, not a
     measurement). Times in µs, bandwidth in GB/s (1e9 bytes/s). With
-    ``trace_dir``, each timed case is also traced (``trace_seconds``, a
-    folder per case): ``trace_us`` is the device's busy time per call, None
+    ``trace_dir``, each timed case's n-call chain is also traced (a folder
+    per case): ``trace_us`` is the device's busy time per call, None
     where the trace has no device timeline (a CPU).
     """
     dtype = jnp.dtype(dtype_name)
@@ -186,7 +186,9 @@ def run(dtype_name: str, iters: int, peak_gbps: float | None, quick: bool,
         row["agrees"] = row["error"] < AGREEMENT_BOUND[dtype_name]
         del out, ref
         if timed:
-            timing = device_seconds(kernel, args[0], args[1:], iters=iters, repeats=repeats)
+            case_trace = os.path.join(trace_dir, case.name) if trace_dir else None
+            timing = device_seconds(kernel, args[0], args[1:], iters=iters, repeats=repeats,
+                                    trace_dir=case_trace)
             moved, kv = cost_bytes(case, dtype), kv_bytes(case, dtype.itemsize)
             sec = timing.seconds
             row.update(cost_bytes=moved, kv_bytes=kv, kernel_us=sec * 1e6,
@@ -197,11 +199,8 @@ def run(dtype_name: str, iters: int, peak_gbps: float | None, quick: bool,
                        kv_pct_of_peak=100 * kv / sec / peak,
                        peak_gbps=peak / 1e9, peak_source=peak_source)
             if trace_dir:
-                traced = trace_seconds(kernel, args[0], args[1:], iters=iters,
-                                       trace_dir=os.path.join(trace_dir, case.name))
-                row["trace_us"] = None if traced is None else traced["seconds"] * 1e6
-                row["trace_events_per_call"] = None if traced is None else traced[
-                    "events_per_call"]
+                traced = timing.trace_seconds
+                row["trace_us"] = None if traced is None else traced * 1e6
         results.append(row)
         print(_format(row), flush=True)
         del args

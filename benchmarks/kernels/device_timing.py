@@ -12,9 +12,10 @@ loop's condition on the host each iteration).
 
 The time of one call is the difference of two chains, ``(t(2n) - t(n)) / n``
 (medians over ``repeats``): the dispatch, the wait and any per-executable
-cost appear once in each chain and cancel. ``trace_seconds`` cross-checks it
-where a ``jax.profiler`` trace has a device timeline (a GPU): the summed
-duration of the device's events while the n-call chain runs, over n. The
+cost appear once in each chain and cancel. With ``trace_dir`` a
+``jax.profiler`` trace cross-checks it where the trace has a device timeline
+(a GPU): the summed duration of the device's events while the n-call chain
+runs, over n. The
 same code runs on a CPU (where the kernel runs in interpret mode: the
 numbers test the code path, they measure nothing).
 """
@@ -47,6 +48,10 @@ class DeviceTiming:
       host_sync_seconds: median of one call with a host wait after each (the
         old, host-bound measurement, kept for contrast).
       iters: n. differential: see ``seconds``.
+      trace_seconds: device busy time of one call from a ``jax.profiler``
+        trace of the n-call chain (every device event: the kernel, any
+        combine step, the chain's ``q + eps * out`` update); None when not
+        traced or the trace has no device timeline (a CPU).
     """
 
     seconds: float
@@ -54,6 +59,7 @@ class DeviceTiming:
     host_sync_seconds: float
     iters: int
     differential: bool
+    trace_seconds: float | None = None
 
 
 def chain(fn: Callable[..., jax.Array], iters: int) -> Callable[..., jax.Array]:
@@ -92,7 +98,7 @@ def _median_wall(f: Callable[[], jax.Array], repeats: int) -> float:
 
 
 def device_seconds(fn: Callable[..., jax.Array], q: jax.Array, rest: tuple, *, iters: int,
-                   repeats: int = 5) -> DeviceTiming:
+                   repeats: int = 5, trace_dir: str | None = None) -> DeviceTiming:
     """Times ``fn(q, *rest)`` on the device (see the module docstring).
 
     Args:
@@ -101,6 +107,10 @@ def device_seconds(fn: Callable[..., jax.Array], q: jax.Array, rest: tuple, *, i
       rest: its other arguments (device arrays).
       iters: n, calls in the shorter chain (the longer has 2n).
       repeats: timed executions of each chain (after one to compile).
+      trace_dir: if set, one more execution of the n-call chain (already
+        compiled) runs under ``jax.profiler.trace(trace_dir)``, and
+        ``trace_seconds`` is its device busy time / n (None without a device
+        timeline, as on a CPU).
     """
     eps = jnp.float32(0.0)
     short, long = chain(fn, iters), chain(fn, 2 * iters)
@@ -110,8 +120,15 @@ def device_seconds(fn: Callable[..., jax.Array], q: jax.Array, rest: tuple, *, i
     host_sync = _median_wall(lambda: single(q, *rest), repeats)
     chain_s = t_long / (2 * iters)
     diff = (t_long - t_short) / iters
+    traced = None
+    if trace_dir is not None:
+        with jax.profiler.trace(trace_dir):
+            jax.block_until_ready(short(q, *rest, eps))
+        busy = device_busy_seconds(trace_dir)
+        traced = None if busy is None else busy[0] / iters
     return DeviceTiming(seconds=diff if diff > 0 else chain_s, chain_seconds=chain_s,
-                        host_sync_seconds=host_sync, iters=iters, differential=diff > 0)
+                        host_sync_seconds=host_sync, iters=iters, differential=diff > 0,
+                        trace_seconds=traced)
 
 
 def device_busy_seconds(trace_dir: str) -> tuple[float, int] | None:
@@ -135,22 +152,3 @@ def device_busy_seconds(trace_dir: str) -> tuple[float, int] | None:
         return None
     return sum(busy) * 1e-6, len(busy)
 
-
-def trace_seconds(fn: Callable[..., jax.Array], q: jax.Array, rest: tuple, *, iters: int,
-                  trace_dir: str) -> dict | None:
-    """Device busy time of one call of ``fn`` from a ``jax.profiler`` trace of an n-call chain.
-
-    Returns ``{"seconds": busy / n, "events_per_call": count / n}`` — every
-    device event of the chain (the kernel, any combine step, the chain's
-    ``q + eps * out`` update) — or None where the trace has no device
-    timeline (a CPU). The trace stays under ``trace_dir``.
-    """
-    chained = chain(fn, iters)
-    eps = jnp.float32(0.0)
-    jax.block_until_ready(chained(q, *rest, eps))  # compile outside the trace
-    with jax.profiler.trace(trace_dir):
-        jax.block_until_ready(chained(q, *rest, eps))
-    busy = device_busy_seconds(trace_dir)
-    if busy is None:
-        return None
-    return {"seconds": busy[0] / iters, "events_per_call": busy[1] / iters}

@@ -84,12 +84,15 @@ def test_chain_runs_every_call_in_order():
         assert hlo.count(" dot(") == 3
 
 
-def test_device_seconds_fields():
+def test_device_seconds_fields(tmp_path):
     timing = device_timing.device_seconds(lambda q, w: jnp.tanh(q @ w), jnp.ones((8, 8)),
-                                          (jnp.eye(8),), iters=2, repeats=1)
+                                          (jnp.eye(8),), iters=2, repeats=1,
+                                          trace_dir=str(tmp_path))
     assert timing.iters == 2 and timing.seconds > 0 and timing.host_sync_seconds > 0
     assert timing.chain_seconds > 0
     assert timing.differential or timing.seconds == timing.chain_seconds
+    if jax.default_backend() == "cpu":  # the trace was taken; it has no device timeline
+        assert timing.trace_seconds is None and list(tmp_path.rglob("*.trace.json.gz"))
 
 
 def test_device_busy_seconds_reads_device_timelines_only(tmp_path):
