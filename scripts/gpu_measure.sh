@@ -12,6 +12,7 @@ set -euo pipefail
 out="${1:-${OUT:-results}}"
 shift || true
 mkdir -p "$out"
+out="$(cd "$out" && pwd)"  # absolute: the run below starts in the repository root
 cd "$(dirname "$0")/.."
 # 450 s for the run, then SIGTERM; SIGKILL 20 s later: the JSON keeps every finished section.
 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" timeout --kill-after=20 450 \
