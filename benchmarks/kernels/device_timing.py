@@ -132,23 +132,28 @@ def device_seconds(fn: Callable[..., jax.Array], q: jax.Array, rest: tuple, *, i
 
 
 def device_busy_seconds(trace_dir: str) -> tuple[float, int] | None:
-    """(summed seconds, count) of the device-timeline events in the newest trace under a folder.
+    """(summed seconds, count) of the device's stream events in the newest trace under a folder.
 
-    Device timelines are the trace's processes named ``/device:...`` (a GPU's
-    streams; not ``/host:CPU``). None when the trace has none, as on a CPU,
-    or there is no trace.
+    Device timelines are the trace's processes named ``/device:...`` (a GPU;
+    not ``/host:CPU``). Of those, only threads named ``Stream...`` count when
+    there are any: the profiler also derives lines such as ``XLA Ops`` and
+    ``XLA Modules`` that span the same kernels again. None when the trace
+    has no device events, as on a CPU, or there is no trace.
     """
     files = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
     if not files:
         return None
     with gzip.open(max(files, key=os.path.getmtime), "rt") as f:
         events = json.load(f).get("traceEvents", [])
-    device_pids = {e["pid"] for e in events
-                   if e.get("ph") == "M" and e.get("name") == "process_name"
+    meta = [e for e in events if e.get("ph") == "M"]
+    device_pids = {e["pid"] for e in meta if e.get("name") == "process_name"
                    and str(e.get("args", {}).get("name", "")).startswith("/device:")}
+    streams = {(e["pid"], e.get("tid")) for e in meta
+               if e.get("name") == "thread_name" and e.get("pid") in device_pids
+               and str(e.get("args", {}).get("name", "")).startswith("Stream")}
     busy = [float(e.get("dur", 0.0)) for e in events
-            if e.get("ph") == "X" and e.get("pid") in device_pids]
+            if e.get("ph") == "X" and e.get("pid") in device_pids
+            and (not streams or (e["pid"], e.get("tid")) in streams)]
     if not busy:
         return None
     return sum(busy) * 1e-6, len(busy)
-

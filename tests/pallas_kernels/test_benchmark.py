@@ -96,14 +96,17 @@ def test_device_seconds_fields(tmp_path):
 
 
 def test_device_busy_seconds_reads_device_timelines_only(tmp_path):
-    """A hand-made trace: two GPU stream events count, the host's do not."""
+    """A hand-made trace: the GPU stream's two events count; derived lines and the host's do not."""
     run = tmp_path / "plugins" / "profile" / "run1"
     run.mkdir(parents=True)
     events = [
         {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "name": "thread_name", "pid": 1, "tid": 7, "args": {"name": "Stream #7"}},
+        {"ph": "M", "name": "thread_name", "pid": 1, "tid": 8, "args": {"name": "XLA Ops"}},
         {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
         {"ph": "X", "pid": 1, "tid": 7, "name": "ragged_paged_attention_m16", "ts": 0, "dur": 30},
         {"ph": "X", "pid": 1, "tid": 7, "name": "loop_add_fusion", "ts": 30, "dur": 2.5},
+        {"ph": "X", "pid": 1, "tid": 8, "name": "custom-call.1", "ts": 0, "dur": 30},
         {"ph": "X", "pid": 2, "tid": 1, "name": "ExecuteOnStream", "ts": 0, "dur": 500},
     ]
     with gzip.open(run / "host.trace.json.gz", "wt") as f:
