@@ -3,8 +3,11 @@
 For a lent GPU with little device time: in one process it (1) times the
 batch-1 decode step with the Pallas and the jnp-reference attention,
 (2) profiles a few Pallas steps with ``jax.profiler`` and prints the device
-kernels by total time, and (3) sweeps kernel tunings on decode shapes,
-printing achieved bandwidth against the measured streaming rate.
+kernels by total time, and (3) sweeps kernel tunings on decode shapes, timed on the
+device (``benchmarks/kernels/device_timing.py``: many calls chained in one
+jitted call, not one host round trip per call), printing the bandwidth of
+the kernel's ``CostEstimate`` bytes against the measured streaming rate and
+the device's peak.
 
 Usage: python -m benchmarks.gpu_diagnose --out DIR [--layers 32] [--hidden-scale 1]
 """
@@ -18,14 +21,12 @@ import glob
 import gzip
 import json
 import os
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-
+from benchmarks.kernels import bench_ragged_paged_attention as bench
+from benchmarks.kernels.device_timing import device_seconds
 from benchmarks.llama8b_decode import decode_step_seconds, llama3_8b, measure_bandwidth, random_state
 from jaxserve.model.loader import param_bytes
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
@@ -54,47 +55,43 @@ def profile_top_kernels(trace_dir: str, top: int = 25) -> list[tuple[str, float,
     return rows[:top]
 
 
-def kernel_sweep(bandwidth: float, iters: int = 20) -> list[dict]:
-    """Times tuning variants of the Pallas kernel on Llama-3-8B decode shapes."""
-    n, k, h, s = 32, 8, 128, 16
+def kernel_sweep(bandwidth: float, iters: int = 32) -> list[dict]:
+    """Times tuning variants of the Pallas kernel on Llama-3-8B decode shapes, on the device.
+
+    Each variant's time is ``device_timing.device_seconds`` (n and 2n calls
+    chained in one jitted call); its bytes are the kernel's ``CostEstimate``
+    for that variant. ``floor_share`` is against ``bandwidth`` (measured in
+    this run), ``pct_of_peak`` against the device kind's peak.
+    """
+    peak, _ = bench.peak_bandwidth(None)
     out = []
-    rng = np.random.default_rng(0)
     for rows, ctx in ((1, 2048), (8, 4096), (64, 2048)):
-        blocks = -(-(ctx + 1) // s)
-        cache = jnp.asarray(rng.standard_normal((rows * blocks + 1, k, s, h)), jnp.bfloat16)
-        table = jnp.asarray(1 + np.arange(rows * blocks, dtype=np.int32).reshape(rows, blocks))
-        seq_lens = jnp.full((rows,), ctx + 1, jnp.int32)
-        qsl = jnp.arange(rows + 1, dtype=jnp.int32)
-        t = max(1, rows)
-        q = jnp.asarray(rng.standard_normal((t, n, h)), jnp.bfloat16)
-        kv_bytes = rows * (ctx + 1) * k * h * 2 * 2
-        base = tuning_for(h, s, jnp.bfloat16)
+        case = bench.Case(f"decode_R{rows}_ctx{ctx}", ((1, ctx - 1),) * rows, rows)
+        args = bench.build(case, jnp.bfloat16, jax.random.key(rows))
+        base = tuning_for(case.head_dim, case.block_size, jnp.bfloat16)
         variants = [base] + [
             dataclasses.replace(base, block_kv=bkv, num_stages=st, k_splits=ks, num_warps=nw)
             for bkv in (64, 128) for st in (2, 4) for ks in (8, 32) for nw in (4,)
             if (bkv, st, ks, nw) != (base.block_kv, base.num_stages, base.k_splits, base.num_warps)]
         for tune in variants:
-            f = jax.jit(lambda q, c, tb, sl, ql, tune=tune: ragged_paged_attention(
-                q, c, c, tb, sl, ql, sm_scale=h ** -0.5, tuning=tune))
+            def kernel(*a, tune=tune):
+                return ragged_paged_attention(*a, sm_scale=case.head_dim ** -0.5, tuning=tune)
+
             try:
-                f(q, cache, table, seq_lens, qsl).block_until_ready()
+                timing = device_seconds(kernel, args[0], args[1:], iters=iters, repeats=3)
             except Exception as err:  # noqa: BLE001 - a variant may not compile; report it
                 print(f"R{rows} ctx{ctx} {tune}: failed: {str(err)[:120]}", flush=True)
                 continue
-            times = []
-            for _ in range(iters):
-                t0 = time.perf_counter()
-                f(q, cache, table, seq_lens, qsl).block_until_ready()
-                times.append(time.perf_counter() - t0)
-            sec = statistics.median(times)
+            sec, moved = timing.seconds, bench.cost_bytes(case, jnp.bfloat16, tune)
             row = dict(rows=rows, ctx=ctx, block_kv=tune.block_kv, num_stages=tune.num_stages,
                        k_splits=tune.k_splits, num_warps=tune.num_warps, us=sec * 1e6,
-                       floor_share=kv_bytes / bandwidth / sec)
+                       host_sync_us=timing.host_sync_seconds * 1e6, cost_bytes=moved,
+                       floor_share=moved / bandwidth / sec, pct_of_peak=100 * moved / peak / sec)
             out.append(row)
-            print(f"R{rows:3d} ctx{ctx} bkv{tune.block_kv:4d} st{tune.num_stages} ks{tune.k_splits:3d} "
-                  f"nw{tune.num_warps}: {sec * 1e6:8.1f} us  {row['floor_share'] * 100:5.1f}% of floor",
-                  flush=True)
-        del cache
+            print(f"R{rows:3d} ctx{ctx} bkv{tune.block_kv:4d} st{tune.num_stages} "
+                  f"ks{tune.k_splits:3d} nw{tune.num_warps}: {sec * 1e6:8.1f} us  {row['floor_share'] * 100:5.1f}% of "
+                  f"floor, {row['pct_of_peak']:5.1f}% of peak", flush=True)
+        del args
     return out
 
 

@@ -139,3 +139,33 @@ def test_llama8b_decode_narrowed(tmp_path):
         assert math.isfinite(step["ms"]) and step["ms"] > 0
         assert math.isfinite(step["first_step_s"]) and step["first_step_s"] > 0
     assert out["recompiles"] == 0  # initialize compiled every executable the steps ran
+
+
+def test_gpu_measure_script_writes_one_json(tmp_path):
+    """scripts/gpu_measure.sh on the CPU: kernel (interpret mode) and served step in one JSON.
+
+    The decode is narrowed (1 layer, widths / 8, reference attention, batch 1);
+    the kernel section runs the benchmark's CPU cases. Structure and counts only.
+    """
+    cmd = [str(REPO / "scripts" / "gpu_measure.sh"), str(tmp_path), "--layers", "1",
+           "--hidden-scale", "8", "--backend", "reference", "--dtype", "float32",
+           "--decode-batch", "1", "--context", "64", "--decode-iters", "3",
+           "--kernel-iters", "1", "--kernel-repeats", "1"]
+    proc = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, PYTHON=sys.executable),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-5000:]
+    out = json.loads((tmp_path / "gpu.json").read_text())
+    assert (tmp_path / "gpu_measure.log").read_text()
+    from benchmarks.kernels import bench_ragged_paged_attention as kernel_bench
+
+    cases = out["kernel"]["cases"]
+    assert [c["case"] for c in cases] == [c.name for c in kernel_bench.cpu_cases()]
+    assert all(c["agrees"] and c["iters"] == 1 and c["trace_us"] is None for c in cases)
+    assert list((tmp_path / "kernel_trace").rglob("*.trace.json.gz"))
+    assert set(out["decode"]["steps"]) == {"1/sync", "1/dispatch_ahead"}
+    assert out["decode"]["layers"] == 1 and out["decode"]["recompiles"] == 0
+    summary = out["summary"]
+    assert summary["kernel_pct_of_peak"] == {c["case"]: c["pct_of_peak"] for c in cases}
+    assert summary["decode_ratio_to_weight_floor"] == {
+        k: s["ratio_to_weight_floor"] for k, s in out["decode"]["steps"].items()}
+    assert set(out["wall_s"]) == {"kernel", "decode"}
