@@ -58,6 +58,17 @@ def wait_all_blocks_free(client: Client, timeout: float = 15.0) -> tuple[int, in
         time.sleep(0.1)
 
 
+def child_pids(pid: int) -> list[int]:
+    """The direct children of ``pid`` (Linux /proc); a thread may end while it is read."""
+    out = []
+    for task in pathlib.Path(f"/proc/{pid}/task").iterdir():
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # the thread exited between the listing and the read
+    return out
+
+
 def process_alive(pid: int) -> bool:
     """True while ``pid`` exists and is not a zombie."""
     try:

@@ -38,22 +38,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from jaxserve.client import Client, JaxServeError
 from jaxserve.procutil import free_port
-from tests.e2e.helpers import DEMO_ENGINE, READY_TIMEOUT_S, serve, wait_gone
+from tests.e2e.helpers import DEMO_ENGINE, READY_TIMEOUT_S, child_pids, serve, wait_gone
 
 pytestmark = pytest.mark.slow
 
 LONG = dict(max_tokens=2000, ignore_eos=True, temperature=0.0)
-
-
-def _children(pid: int) -> list[int]:
-    """The direct children of ``pid`` (Linux /proc); a thread may end while it is read."""
-    out = []
-    for task in pathlib.Path(f"/proc/{pid}/task").iterdir():
-        try:
-            out += [int(c) for c in (task / "children").read_text().split()]
-        except (FileNotFoundError, ProcessLookupError):
-            continue  # the thread exited between the listing and the read
-    return out
 
 
 def test_worker_death_without_restarts_stops_the_server(demo_model_dir):
@@ -94,7 +83,7 @@ def _wait_serving(proc: subprocess.Popen, address: str) -> list[int]:
             assert proc.poll() is None, proc.communicate()[1][-3000:]
             try:
                 if client.health() == "SERVING":
-                    children = _children(proc.pid)
+                    children = child_pids(proc.pid)
                     assert len(children) == 3, children
                     return children
             except JaxServeError:

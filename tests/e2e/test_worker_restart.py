@@ -21,7 +21,6 @@ Prompts are token ids below the tiny model's vocabulary (256).
 from __future__ import annotations
 
 import os
-import pathlib
 import shutil
 import signal
 import time
@@ -32,7 +31,7 @@ import pytest
 
 from jaxserve.client import Client, JaxServeError
 from jaxserve.procutil import free_port
-from tests.e2e.helpers import serve, wait_all_blocks_free, wait_gone
+from tests.e2e.helpers import child_pids, serve, wait_all_blocks_free, wait_gone
 from tests.model.hf_tiny import make_tiny_model
 
 pytestmark = pytest.mark.slow
@@ -55,17 +54,6 @@ def tiny_dir(tmp_path_factory, demo_model_dir):
         if (demo_model_dir / name).exists():
             shutil.copy(demo_model_dir / name, directory / name)
     return directory
-
-
-def _children(pid: int) -> list[int]:
-    """The direct children of ``pid`` (Linux /proc)."""
-    out = []
-    for task in pathlib.Path(f"/proc/{pid}/task").iterdir():
-        try:
-            out += [int(c) for c in (task / "children").read_text().split()]
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-    return out
 
 
 def _wait_serving(client: Client, timeout: float) -> float:
@@ -125,7 +113,7 @@ def test_killed_worker_is_replaced_and_the_server_serves_again(tiny_dir):
             free, total = wait_all_blocks_free(client)
             assert free == total
             assert _restarts_metric(metrics_port, 1.0) == 1.0
-        pids = [p.pid for p in launcher.processes.values()] + _children(engine_pid)
+        pids = [p.pid for p in launcher.processes.values()] + child_pids(engine_pid)
         assert len(pids) == 4  # api, engine, the dead worker, its replacement
     assert wait_gone(pids) == []
 
@@ -148,6 +136,6 @@ def test_hung_worker_is_killed_after_the_step_timeout_and_replaced(tiny_dir, tmp
                   f"(--step-timeout 5), SERVING again {took:.1f} s later")
             assert first_worker.wait(30) == -signal.SIGKILL
             assert client.generate(PROMPT, **GREEDY).token_ids == before
-        pids = [p.pid for p in launcher.processes.values()] + _children(
+        pids = [p.pid for p in launcher.processes.values()] + child_pids(
             launcher.processes["engine"].pid)
     assert wait_gone(pids) == []
