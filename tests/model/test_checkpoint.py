@@ -1,0 +1,193 @@
+"""Orbax checkpoints of the converted parameters: bitwise round trips, sharded restores, refusals."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
+
+from jaxserve.config import ModelConfig
+from jaxserve.model.checkpoint import (METADATA_FILE, check_metadata, read_metadata,
+                                       restore_params, save_params)
+from jaxserve.model.loader import abstract_model
+
+CONFIG = ModelConfig(
+    architecture="LlamaForCausalLM", vocab_size=128, hidden_size=64, intermediate_size=96,
+    num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5,
+    rope_theta=10000.0, max_position_embeddings=256, tie_word_embeddings=False)
+
+# Tensor-parallel layout over a 'tp' mesh axis: column-parallel matrices
+# ([D, X] inputs of a product) split on their last axis, row-parallel ones
+# ([X, D] outputs) on their first, the embedding over the vocabulary, norms
+# replicated. Keyed by the parameter's name; scanned layers add a leading None.
+TP_SPECS = {"qkv_proj": P(None, "tp"), "gate_up_proj": P(None, "tp"), "lm_head": P(None, "tp"),
+            "o_proj": P("tp", None), "down_proj": P("tp", None), "embed": P("tp", None),
+            "weight": P()}
+
+
+def random_params(config: ModelConfig, dtype, scan_layers: bool, seed: int = 0) -> dict:
+    """The model's parameter pytree (pure dict) filled with fresh normal draws, on device 0."""
+    _, abstract = abstract_model(config, dtype, scan_layers)
+    leaves, treedef = jax.tree.flatten(abstract)
+    rng = np.random.default_rng(seed)
+    return jax.tree.unflatten(treedef, [
+        jnp.asarray(rng.standard_normal(x.shape, np.float32), dtype) for x in leaves])
+
+
+def tp_target(params: dict, mesh: Mesh, scan_layers: bool) -> dict:
+    """ShapeDtypeStructs of ``params`` carrying the TP_SPECS shardings over ``mesh``."""
+    def leaf(path, x):
+        spec = TP_SPECS[path[-1].key]
+        if scan_layers and path[0].key == "layers":
+            spec = P(None, *spec)  # the stacked [L] axis stays whole
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
+    return jax.tree_util.tree_map_with_path(leaf, params)
+
+
+def single_device_target(params: dict) -> dict:
+    sharding = SingleDeviceSharding(jax.devices()[0])
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), params)
+
+
+def assert_bitwise_equal(restored: dict, original: dict) -> None:
+    assert jax.tree.structure(restored) == jax.tree.structure(original)
+    for (path, got), want in zip(jax.tree_util.tree_flatten_with_path(restored)[0],
+                                 jax.tree.leaves(original)):
+        assert got.dtype == want.dtype, path
+        got, want = np.asarray(got), np.asarray(want)
+        assert got.tobytes() == want.tobytes(), jax.tree_util.keystr(path)
+
+
+def save(directory, params, *, dtype="float32", scan_layers=False, layout=None, **kwargs):
+    save_params(directory, params, config=CONFIG, dtype=dtype, scan_layers=scan_layers,
+                layout=layout, **kwargs)
+
+
+def test_four_simulated_devices():
+    assert len(jax.devices()) == 4
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_round_trip_on_one_device(tmp_path, scan_layers, dtype):
+    params = random_params(CONFIG, jnp.dtype(dtype), scan_layers)
+    save(tmp_path / "ckpt", params, dtype=dtype, scan_layers=scan_layers)
+    restored = restore_params(tmp_path / "ckpt", single_device_target(params))
+    assert_bitwise_equal(restored, params)
+    assert (0 in restored["layers"]) is not scan_layers  # int layer keys come back as ints
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_restore_into_tensor_parallel_shardings(tmp_path, scan_layers):
+    params = random_params(CONFIG, jnp.float32, scan_layers)
+    save(tmp_path / "ckpt", params, scan_layers=scan_layers, layout={"tensor_parallel_size": 2})
+    mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
+    target = tp_target(params, mesh, scan_layers)
+    restored = restore_params(tmp_path / "ckpt", target)
+    assert_bitwise_equal(restored, params)
+    for (path, got), want in zip(jax.tree_util.tree_flatten_with_path(restored)[0],
+                                 jax.tree.leaves(target)):
+        sharding = want.sharding
+        assert got.sharding == sharding, path
+        # Each of the two devices holds exactly its shard, nothing more.
+        shards = got.addressable_shards
+        assert {s.device for s in shards} == set(mesh.devices.flat)
+        for shard in shards:
+            assert shard.data.shape == sharding.shard_shape(got.shape), path
+    qkv = restored["layers"]["attn"]["qkv_proj"] if scan_layers else restored["layers"][0]["attn"]["qkv_proj"]
+    assert qkv.addressable_shards[0].data.shape[-1] == qkv.shape[-1] // 2
+
+
+def test_many_int_layer_keys_restore_by_path(tmp_path):
+    """12 layers: as strings "10" sorts before "2"; each layer must still come back as itself."""
+    config = dataclasses.replace(CONFIG, num_layers=12)
+    params = random_params(config, jnp.float32, scan_layers=False)
+    save_params(tmp_path / "ckpt", params, config=config, dtype="float32", scan_layers=False)
+    restored = restore_params(tmp_path / "ckpt", single_device_target(params))
+    assert sorted(restored["layers"]) == list(range(12))
+    assert_bitwise_equal(restored, params)
+
+
+def test_metadata_round_trip_and_check(tmp_path):
+    params = random_params(CONFIG, jnp.float32, scan_layers=False)
+    save(tmp_path / "ckpt", params, layout={"tensor_parallel_size": 2})
+    meta = read_metadata(tmp_path / "ckpt")
+    assert meta["dtype"] == "float32" and meta["scan_layers"] is False
+    assert meta["layout"] == {"tensor_parallel_size": 2}
+    assert meta["config"] == json.loads(CONFIG.to_json())
+    check_metadata(meta, config=CONFIG, dtype="float32", scan_layers=False,
+                   layout={"tensor_parallel_size": 2})
+
+
+@pytest.mark.parametrize("change,field", [
+    (dict(dtype="bfloat16"), "dtype"),
+    (dict(config=dataclasses.replace(CONFIG, num_kv_heads=4)), "config.num_kv_heads"),
+    (dict(scan_layers=True), "scan_layers"),
+    (dict(layout={"tensor_parallel_size": 4}), "layout"),
+    (dict(layout=None), "layout"),
+], ids=["dtype", "config", "scan_layers", "layout", "no-layout"])
+def test_mismatching_metadata_is_refused_by_name(tmp_path, change, field):
+    params = random_params(CONFIG, jnp.float32, scan_layers=False)
+    save(tmp_path / "ckpt", params, layout={"tensor_parallel_size": 2})
+    expected = dict(config=CONFIG, dtype="float32", scan_layers=False,
+                    layout={"tensor_parallel_size": 2}) | change
+    with pytest.raises(ValueError, match=rf"checkpoint {field} is"):
+        check_metadata(read_metadata(tmp_path / "ckpt"), **expected)
+
+
+def test_restore_refuses_another_dtype_and_missing_shardings(tmp_path):
+    params = random_params(CONFIG, jnp.float32, scan_layers=False)
+    save(tmp_path / "ckpt", params)
+    target = single_device_target(params)
+    bf16 = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16, sharding=x.sharding),
+                        target)
+    with pytest.raises(ValueError, match="stored as float32, target is bfloat16"):
+        restore_params(tmp_path / "ckpt", bf16)  # Orbax alone would cast silently
+    bare = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), target)
+    with pytest.raises(ValueError, match="has no sharding"):
+        restore_params(tmp_path / "ckpt", bare)
+
+
+def test_save_refuses_a_dtype_the_params_do_not_have(tmp_path):
+    params = random_params(CONFIG, jnp.float32, scan_layers=False)
+    with pytest.raises(ValueError, match="dtype='bfloat16'"):
+        save(tmp_path / "ckpt", params, dtype="bfloat16")
+
+
+def test_existing_checkpoint_is_kept_unless_forced(tmp_path):
+    old = random_params(CONFIG, jnp.float32, scan_layers=False, seed=1)
+    new = random_params(CONFIG, jnp.float32, scan_layers=False, seed=2)
+    save(tmp_path / "ckpt", old)
+    with pytest.raises(FileExistsError, match="force=True"):
+        save(tmp_path / "ckpt", new)
+    assert_bitwise_equal(restore_params(tmp_path / "ckpt", single_device_target(old)), old)
+    save(tmp_path / "ckpt", new, layout={"tensor_parallel_size": 2}, force=True)
+    assert_bitwise_equal(restore_params(tmp_path / "ckpt", single_device_target(new)), new)
+    assert read_metadata(tmp_path / "ckpt")["layout"] == {"tensor_parallel_size": 2}
+
+
+def test_a_foreign_directory_is_never_overwritten(tmp_path):
+    (tmp_path / "notes.txt").write_text("keep me")
+    params = random_params(CONFIG, jnp.float32, scan_layers=False)
+    with pytest.raises(FileExistsError, match="no jaxserve checkpoint"):
+        save(tmp_path, params, force=True)
+    assert (tmp_path / "notes.txt").read_text() == "keep me"
+
+
+def test_an_empty_existing_directory_is_used(tmp_path):
+    params = random_params(CONFIG, jnp.float32, scan_layers=False)
+    save(tmp_path, params)
+    assert (tmp_path / METADATA_FILE).is_file()
+    assert_bitwise_equal(restore_params(tmp_path, single_device_target(params)), params)
+
+
+def test_unfinished_or_missing_checkpoint_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match=METADATA_FILE):
+        read_metadata(tmp_path)
+    with pytest.raises(FileNotFoundError, match="not a jaxserve checkpoint"):
+        restore_params(tmp_path, {})
