@@ -69,11 +69,16 @@ def save_params(directory: str | os.PathLike, params: dict, *, config: ModelConf
         is not empty and holds no jaxserve checkpoint (never deleted, even
         with ``force``).
       ValueError: ``dtype`` differs from the dtype of a leaf of ``params``.
+      TypeError: ``layout`` is not JSON-serialisable (nothing is written).
     """
     directory = pathlib.Path(directory).absolute()
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         if np.dtype(leaf.dtype) != np.dtype(dtype):
             raise ValueError(f"{jax.tree_util.keystr(path)} is {leaf.dtype}, but dtype={dtype!r}")
+    meta = {"format_version": FORMAT_VERSION, "config": json.loads(config.to_json()),
+            "dtype": str(np.dtype(dtype)), "scan_layers": bool(scan_layers),
+            "layout": layout}
+    text = json.dumps(meta, indent=1, sort_keys=True)  # fails here, before any write, if not JSON
     if directory.exists() and any(directory.iterdir()):
         if not (directory / METADATA_FILE).is_file() and not (directory / PARAMS_DIR).is_dir():
             raise FileExistsError(f"{directory} is not empty and holds no jaxserve checkpoint")
@@ -83,10 +88,6 @@ def save_params(directory: str | os.PathLike, params: dict, *, config: ModelConf
             (directory / METADATA_FILE).unlink(missing_ok=True)  # incomplete until rewritten
     if jax.process_count() > 1:  # every host has checked before any host writes
         multihost_utils.sync_global_devices(f"jaxserve save_params {directory}")
-    meta = {"format_version": FORMAT_VERSION, "config": json.loads(config.to_json()),
-            "dtype": str(np.dtype(dtype)), "scan_layers": bool(scan_layers),
-            "layout": layout}
-    text = json.dumps(meta, indent=1, sort_keys=True)  # fails here, before any write, if not JSON
     with ocp.StandardCheckpointer() as checkpointer:
         checkpointer.save(directory / PARAMS_DIR, params, force=force)
         checkpointer.wait_until_finished()
