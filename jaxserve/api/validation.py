@@ -1,11 +1,12 @@
-"""The api's checks of request *forms*: text, chat, the wire ``SamplingParams`` (jax-free).
+"""The api's checks of request *forms*: a text prompt and a chat (jax-free).
 
 What a request is checked against — the model and the engine's limits — is
 ``jaxserve.validation`` (``RequestLimits``), shared with ``jaxserve.LLM`` and
 the engine; this module only adds what is particular to ``GenerateRequest``:
-a text prompt must be non-empty, a chat needs messages with roles, and the
-wire ``SamplingParams`` message becomes a validated ``SamplingParams``.
-Errors are ``jaxserve.validation.InvalidArgument`` naming the field.
+a text prompt must be non-empty and a chat needs messages with roles. The
+wire ``SamplingParams`` message becomes a validated ``SamplingParams`` in
+``RequestPreparer.sampling_params`` (``jaxserve.api.prompts``), over the
+model's defaults. Errors are ``jaxserve.validation.InvalidArgument`` naming the field.
 """
 
 from __future__ import annotations
@@ -13,19 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from jaxserve.proto import generate_pb2 as pb
-from jaxserve.proto.convert import sampling_params_kwargs_from_proto
-from jaxserve.sampling_params import SamplingParams
-from jaxserve.validation import InvalidArgument, sampling_params_from_kwargs
-
-
-def sampling_params_from_proto(message: pb.SamplingParams) -> SamplingParams:
-    """A validated ``SamplingParams`` from the wire message (absent max_tokens -> None).
-
-    Raises:
-      InvalidArgument: as ``jaxserve.validation.sampling_params_from_kwargs``.
-    """
-    return sampling_params_from_kwargs(sampling_params_kwargs_from_proto(message))
+from jaxserve.validation import InvalidArgument
 
 
 def validate_text(text: str, *, field: str = "text") -> None:

@@ -1,7 +1,7 @@
 """Validation: every bad request field becomes an InvalidArgument naming that field.
 
 Sampling parameters travel through the wire message (``SamplingParams`` proto
--> kwargs -> ``jaxserve.SamplingParams``), as the server receives them.
+-> kwargs -> ``RequestPreparer.sampling_params``), as the server receives them.
 """
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import random
 
 import pytest
 
-from jaxserve.api.validation import sampling_params_from_proto, validate_chat, validate_text
+from jaxserve.api.prompts import RequestPreparer
+from jaxserve.api.validation import validate_chat, validate_text
 from jaxserve.proto import generate_pb2 as pb
 from jaxserve.proto.convert import (SAMPLING_FIELDS, sampling_params_kwargs_from_proto,
                                     sampling_params_to_proto)
@@ -20,6 +21,16 @@ from jaxserve.validation import InvalidArgument, RequestLimits, sampling_params_
 
 VOCAB, MAX_LEN = 1000, 64
 LIMITS = RequestLimits(vocab_size=VOCAB, max_model_len=MAX_LEN, max_num_seqs=8)
+
+
+# No model defaults, so a message's absent fields take SamplingParams' own.
+PREPARER = RequestPreparer(None, vocab_size=VOCAB, max_model_len=MAX_LEN, eos_token_ids=(),
+                           max_num_seqs=8)
+
+
+def _from_wire(message: pb.SamplingParams) -> SamplingParams:
+    """The server's path from the wire message to a validated ``SamplingParams``."""
+    return PREPARER.sampling_params(sampling_params_kwargs_from_proto(message))
 
 
 def _validate(prompt, params, *, prompt_field="token_ids", default_max_tokens=None):
@@ -60,7 +71,7 @@ def test_every_sampling_field_has_a_bad_value_case():
 def test_bad_sampling_param_over_the_wire_names_field(field, values):
     message = sampling_params_to_proto(values)
     with pytest.raises(InvalidArgument) as info:
-        sampling_params_from_proto(message)
+        _from_wire(message)
     err = info.value
     assert isinstance(err, ValueError)
     assert err.field == f"sampling_params.{field}"
@@ -98,14 +109,14 @@ def test_sampling_params_round_trip_over_the_wire():
     for _ in range(200):
         params = _random_params(rng)
         wire = pb.SamplingParams.FromString(sampling_params_to_proto(params).SerializeToString())
-        back = sampling_params_from_proto(wire)
+        back = _from_wire(wire)
         expected = params if params.seed is None else SamplingParams.from_dict(
             {**params.to_dict(), "seed": params.seed % 2**64})
         assert back == expected
 
 
 def test_absent_fields_take_defaults_except_max_tokens():
-    params = sampling_params_from_proto(pb.SamplingParams())
+    params = _from_wire(pb.SamplingParams())
     assert params == SamplingParams(max_tokens=None)
     # Presence: an explicit default-valued field is distinguishable from an absent one.
     message = pb.SamplingParams(temperature=0.0, skip_special_tokens=False)
