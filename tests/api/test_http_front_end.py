@@ -64,9 +64,23 @@ def test_api_key_comes_first_and_health_stays_open(client):
     ({"prompt": "x", "max_tokens": True}, "max_tokens"),
     ({"prompt": "x", "stream": "yes"}, "stream"),
     ({}, "prompt"),
+    ({"prompt": [1.5]}, "prompt"),  # a union: its member tags are not in the name
+    ({"prompt": "x", "logit_bias": {"5": "up"}}, "logit_bias"),  # a dict key is not a field
 ])
 def test_malformed_bodies_name_the_parameter(client, body, param):
     error = _error(client.post("/v1/completions", json=body, headers=AUTH), 400)
+    assert error["param"] == param and error["message"].startswith(param)
+
+
+@pytest.mark.parametrize("message,param", [
+    ({"role": "user", "content": 5}, "messages[0].content"),  # a union nested in a list
+    ({"role": "user", "content": [5]}, "messages[0].content"),
+    ({"role": "user", "content": "x", "foo": 1}, "messages[0].foo"),  # unknown, nested
+    ({"content": "x"}, "messages[0].role"),
+])
+def test_malformed_chat_messages_name_the_parameter(client, message, param):
+    reply = client.post("/v1/chat/completions", json={"messages": [message]}, headers=AUTH)
+    error = _error(reply, 400)
     assert error["param"] == param and error["message"].startswith(param)
 
 
@@ -87,7 +101,15 @@ def test_unknown_path_is_404_in_openai_shape(client):
 @pytest.mark.parametrize("loc,param", [
     (("body", "messages", 0, "content"), "messages[0].content"),
     (("body", "prompt", "list[int]", 3), "prompt[3]"),
+    (("body", "messages", 0, "content", "list[dict[str,any]]", 0), "messages[0].content[0]"),
+    (("body", "stop", "list[str]", 1), "stop[1]"),
+    (("body", "logit_bias", "17"), "logit_bias"),
     (("body",), None),
 ])
 def test_param_paths(loc, param):
     assert _param(loc) == param
+
+
+def test_an_unknown_fields_name_is_kept():
+    assert _param(("body", "messages", 2, "colour"), unknown_field=True) == "messages[2].colour"
+    assert _param(("body", "messages", 2, "colour")) == "messages[2]"
