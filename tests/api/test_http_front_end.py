@@ -4,22 +4,44 @@ Starlette's test client drives the real FastAPI app: until the api process
 attaches its request runner every endpoint answers 503 in OpenAI's error
 shape; the API key is checked before anything else (``/health`` open);
 bodies that are not JSON, of the wrong type or with unknown fields are 400s
-naming the parameter, before any engine is involved.
+naming the parameter, before any engine is involved. With a runner attached
+over a stub engine that only says it is serving (``served``), requests the
+api refuses — another model, out-of-range values — are answered without
+reaching it.
 """
 
 from __future__ import annotations
+
+import types
 
 import pytest
 from fastapi.testclient import TestClient
 
 from jaxserve.api.openai.app import HttpFrontEnd, _param
+from jaxserve.api.prompts import RequestPreparer
+from jaxserve.api.runner import RequestRunner
+from jaxserve.metrics import ServerMetrics
 
 KEY = "k-123"
+MODEL = "m"
 
 
 @pytest.fixture
 def client():
     with TestClient(HttpFrontEnd(api_key=KEY).app) as c:
+        yield c
+
+
+@pytest.fixture
+def served():
+    """A client of a front end whose runner's engine is a stub that is serving (no tokenizer)."""
+    front = HttpFrontEnd()
+    preparer = RequestPreparer(None, vocab_size=1000, max_model_len=64, eos_token_ids=(),
+                               max_num_seqs=8)
+    engine = types.SimpleNamespace(serving=True, error=None)
+    front.attach(RequestRunner(engine, preparer, model_name=MODEL,
+                               metrics=ServerMetrics(lambda: None), max_pending_seqs=8))
+    with TestClient(front.app) as c:
         yield c
 
 
@@ -113,3 +135,11 @@ def test_param_paths(loc, param):
 def test_an_unknown_fields_name_is_kept():
     assert _param(("body", "messages", 2, "colour"), unknown_field=True) == "messages[2].colour"
     assert _param(("body", "messages", 2, "colour")) == "messages[2]"
+
+
+def test_a_model_by_id(served):
+    entry = served.get(f"/v1/models/{MODEL}").json()
+    assert entry["id"] == MODEL and entry["object"] == "model"
+    for other in ("other", f"{MODEL}/x"):
+        error = _error(served.get(f"/v1/models/{other}"), 404)
+        assert error["param"] == "model" and other in error["message"]

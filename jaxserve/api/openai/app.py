@@ -204,12 +204,9 @@ def build_app(front: HttpFrontEnd) -> FastAPI:
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> dict[str, Any]:
-        listed = await models()
-        for entry in listed["data"]:
-            if entry["id"] == model_id:
-                return entry
-        check_model(front._serving().runner, model_id)  # raises 404
-        raise AssertionError("unreachable")
+        check_model(front._serving().runner, model_id)  # 404 for any other name
+        (entry,) = (await models())["data"]
+        return entry
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
