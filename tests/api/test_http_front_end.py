@@ -143,3 +143,13 @@ def test_a_model_by_id(served):
     for other in ("other", f"{MODEL}/x"):
         error = _error(served.get(f"/v1/models/{other}"), 404)
         assert error["param"] == "model" and other in error["message"]
+
+
+@pytest.mark.parametrize("endpoint,body,param", [
+    ("completions", {"prompt": "x", "logit_bias": {"5": 100.5}}, "logit_bias"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                          "logit_bias": {"5": -101}}, "logit_bias"),
+])
+def test_out_of_range_values_are_400s_naming_the_parameter(served, endpoint, body, param):
+    error = _error(served.post(f"/v1/{endpoint}", json=body), 400)
+    assert error["param"] == param and error["message"].startswith(param + ": ")

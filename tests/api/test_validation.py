@@ -9,14 +9,17 @@ from __future__ import annotations
 import math
 import random
 
+import grpc
 import pytest
 
 from jaxserve.api.prompts import RequestPreparer
+from jaxserve.api.runner import ApiError, RequestRunner
 from jaxserve.api.validation import validate_chat, validate_text
+from jaxserve.metrics import ServerMetrics
 from jaxserve.proto import generate_pb2 as pb
 from jaxserve.proto.convert import (SAMPLING_FIELDS, sampling_params_kwargs_from_proto,
                                     sampling_params_to_proto)
-from jaxserve.sampling_params import MAX_LOGPROBS, SamplingParams
+from jaxserve.sampling_params import LOGIT_BIAS_LIMIT, MAX_LOGPROBS, SamplingParams
 from jaxserve.validation import InvalidArgument, RequestLimits, sampling_params_from_kwargs
 
 VOCAB, MAX_LEN = 1000, 64
@@ -57,6 +60,7 @@ BAD_SAMPLING = [
     ("logprobs", {"logprobs": MAX_LOGPROBS + 1}), ("logprobs", {"logprobs": -1}),
     ("prompt_logprobs", {"prompt_logprobs": MAX_LOGPROBS + 1}),
     ("logit_bias", {"logit_bias": {-1: 1.0}}), ("logit_bias", {"logit_bias": {5: math.nan}}),
+    ("logit_bias", {"logit_bias": {5: 100.5}}), ("logit_bias", {"logit_bias": {5: -101.0}}),
 ]
 # Fields with no invalid wire value: bools, and seed (any uint64 is a seed).
 ALWAYS_VALID = {"ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
@@ -77,6 +81,11 @@ def test_bad_sampling_param_over_the_wire_names_field(field, values):
     assert err.field == f"sampling_params.{field}"
     assert str(err).startswith(f"sampling_params.{field}: ") and err.reason
     assert not err.reason.startswith(field)  # the name is not repeated
+
+
+def test_logit_bias_range_is_inclusive():
+    bias = {5: LOGIT_BIAS_LIMIT, 6: -LOGIT_BIAS_LIMIT}
+    assert _from_wire(sampling_params_to_proto({"logit_bias": bias})).logit_bias == bias
 
 
 def test_unknown_or_mistyped_kwargs_name_field():
@@ -190,3 +199,19 @@ def test_text_and_chat_checks():
     with pytest.raises(InvalidArgument, match=r"^chat\.messages\[1\]\.role: "):
         validate_chat(messages)
     validate_chat(messages[:1])
+
+
+# (wire message, field): refused by the gRPC path (RequestRunner.prepare) with INVALID_ARGUMENT.
+BAD_GRPC = [
+    (pb.SamplingParams(logit_bias={5: 100.5}), "sampling_params.logit_bias"),
+]
+
+
+@pytest.mark.parametrize("message, field", BAD_GRPC)
+def test_grpc_requests_out_of_range_are_invalid_argument(message, field):
+    runner = RequestRunner(None, PREPARER, model_name="m", metrics=ServerMetrics(lambda: None),
+                           max_pending_seqs=8)
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2]), sampling_params=message)
+    with pytest.raises(ApiError) as info:
+        runner.prepare(request)
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and info.value.field == field
