@@ -149,6 +149,8 @@ def test_a_model_by_id(served):
     ("completions", {"prompt": "x", "logit_bias": {"5": 100.5}}, "logit_bias"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}],
                           "logit_bias": {"5": -101}}, "logit_bias"),
+    ("completions", {"prompt": [1, 2], "seed": 2**64}, "seed"),
+    ("completions", {"prompt": [1, 2], "seed": -(2**63) - 1}, "seed"),
 ])
 def test_out_of_range_values_are_400s_naming_the_parameter(served, endpoint, body, param):
     error = _error(served.post(f"/v1/{endpoint}", json=body), 400)

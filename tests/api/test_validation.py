@@ -19,7 +19,8 @@ from jaxserve.metrics import ServerMetrics
 from jaxserve.proto import generate_pb2 as pb
 from jaxserve.proto.convert import (SAMPLING_FIELDS, sampling_params_kwargs_from_proto,
                                     sampling_params_to_proto)
-from jaxserve.sampling_params import LOGIT_BIAS_LIMIT, MAX_LOGPROBS, SamplingParams
+from jaxserve.sampling_params import (LOGIT_BIAS_LIMIT, MAX_LOGPROBS, MAX_SEED, MIN_SEED,
+                                      SamplingParams)
 from jaxserve.validation import InvalidArgument, RequestLimits, sampling_params_from_kwargs
 
 VOCAB, MAX_LEN = 1000, 64
@@ -102,7 +103,7 @@ def _random_params(rng: random.Random) -> SamplingParams:
         frequency_penalty=rng.uniform(-2, 2), repetition_penalty=rng.uniform(0.5, 2),
         temperature=rng.choice([0.0, rng.uniform(0, 2)]), top_p=rng.uniform(0.01, 1),
         top_k=rng.choice([-1, 0, rng.randrange(1, 100)]), min_p=rng.uniform(0, 1),
-        seed=rng.choice([None, rng.randrange(-2**70, 2**70)]),
+        seed=rng.choice([None, rng.randrange(MIN_SEED, MAX_SEED + 1)]),
         stop=[f"s{rng.randrange(9)}" for _ in range(rng.randrange(3))],
         stop_token_ids=[rng.randrange(VOCAB) for _ in range(rng.randrange(3))],
         ignore_eos=rng.random() < 0.5, max_tokens=rng.choice([None, rng.randrange(8, 40)]),
@@ -138,6 +139,9 @@ def test_client_side_conversion_errors_name_field():
         sampling_params_to_proto({"max_tokens": 2**40})
     with pytest.raises(ValueError, match=r"^temprature: unknown"):
         sampling_params_to_proto({"temprature": 1.0})
+    for seed in (MAX_SEED + 1, MIN_SEED - 1):  # never sent wrapped modulo 2**64
+        with pytest.raises(ValueError, match=r"^seed: cannot send"):
+            sampling_params_to_proto({"seed": seed})
 
 
 # (prompt ids, params, field) for RequestLimits.validate with VOCAB / MAX_LEN.
@@ -150,6 +154,9 @@ BAD_REQUESTS = [
     (list(range(60)), SamplingParams(max_tokens=None, min_tokens=5), "sampling_params.min_tokens"),
     ([1, 2], SamplingParams(stop_token_ids=[VOCAB + 3]), "sampling_params.stop_token_ids"),
     ([1, 2], SamplingParams(logit_bias={VOCAB: 1.0}), "sampling_params.logit_bias"),
+    ([1, 2], SamplingParams(seed=MAX_SEED + 1), "sampling_params.seed"),
+    ([1, 2], SamplingParams(seed=MIN_SEED - 1), "sampling_params.seed"),
+    ([1, 2], SamplingParams(seed=2**70), "sampling_params.seed"),
 ]
 
 
@@ -163,6 +170,11 @@ def test_bad_request_names_field(prompt, params, field):
 def test_prompt_field_name_follows_the_request():
     with pytest.raises(InvalidArgument, match=r"^chat\.messages: "):
         _validate([], SamplingParams(),                          prompt_field="chat.messages")
+
+
+def test_seeds_of_64_bits_are_accepted():
+    for seed in (MIN_SEED, -1, 0, 2**63 - 1, MAX_SEED):
+        assert _validate([1, 2], SamplingParams(seed=seed)).seed == seed
 
 
 def test_length_limits_exact():
