@@ -151,6 +151,8 @@ def test_a_model_by_id(served):
                           "logit_bias": {"5": -101}}, "logit_bias"),
     ("completions", {"prompt": [1, 2], "seed": 2**64}, "seed"),
     ("completions", {"prompt": [1, 2], "seed": -(2**63) - 1}, "seed"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"},
+                                       {"role": "narrator", "content": "y"}]}, "messages[1].role"),
 ])
 def test_out_of_range_values_are_400s_naming_the_parameter(served, endpoint, body, param):
     error = _error(served.post(f"/v1/{endpoint}", json=body), 400)

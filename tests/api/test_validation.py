@@ -213,17 +213,30 @@ def test_text_and_chat_checks():
     validate_chat(messages[:1])
 
 
-# (wire message, field): refused by the gRPC path (RequestRunner.prepare) with INVALID_ARGUMENT.
+def test_chat_roles_are_openais():
+    validate_chat([pb.ChatMessage(role=role, content="x")
+                   for role in ("system", "developer", "user", "assistant", "tool")])
+    for role in ("User", "bot", "function", " user"):
+        messages = [pb.ChatMessage(role="user", content="hi"), pb.ChatMessage(role=role)]
+        with pytest.raises(InvalidArgument) as info:
+            validate_chat(messages, field="messages")
+        assert info.value.field == "messages[1].role" and repr(role) in info.value.reason
+
+
+# (request, field): refused by the gRPC path (RequestRunner.prepare) with INVALID_ARGUMENT.
 BAD_GRPC = [
-    (pb.SamplingParams(logit_bias={5: 100.5}), "sampling_params.logit_bias"),
+    (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2]),
+                        sampling_params=pb.SamplingParams(logit_bias={5: 100.5})),
+     "sampling_params.logit_bias"),
+    (pb.GenerateRequest(chat=pb.Chat(messages=[pb.ChatMessage(role="robot", content="hi")])),
+     "chat.messages[0].role"),
 ]
 
 
-@pytest.mark.parametrize("message, field", BAD_GRPC)
-def test_grpc_requests_out_of_range_are_invalid_argument(message, field):
+@pytest.mark.parametrize("generate_request, field", BAD_GRPC)
+def test_bad_grpc_requests_are_invalid_argument(generate_request, field):
     runner = RequestRunner(None, PREPARER, model_name="m", metrics=ServerMetrics(lambda: None),
                            max_pending_seqs=8)
-    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2]), sampling_params=message)
     with pytest.raises(ApiError) as info:
-        runner.prepare(request)
+        runner.prepare(generate_request)
     assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and info.value.field == field
