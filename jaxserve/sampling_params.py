@@ -34,6 +34,10 @@ from typing import Any
 MAX_INT32 = 2**31 - 1  # the wire type of the integer fields (generate.proto, engine.proto)
 SAMPLING_EPS = 1e-5  # temperature below this is greedy (vLLM's _SAMPLING_EPS)
 MAX_LOGPROBS = 20  # most top logprobs per token, as vLLM's default max_logprobs
+# A seed is 64 bits: an int64 or a uint64 (generate.proto's type); a negative seed is the same
+# key as seed + 2**64. jaxserve.validation.RequestLimits rejects seeds outside this range.
+MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1
+LOGIT_BIAS_LIMIT = 100.0  # a logit_bias value is in [-100, 100] (OpenAI's documented range)
 # The sampler's array widths (jaxserve.worker.sampler.metadata imports these;
 # jaxserve.validation checks requests against them, counting the model's EOS ids):
 MAX_LOGIT_BIAS = 64  # most logit_bias entries per request
@@ -110,8 +114,11 @@ class SamplingParams:
       top_k: -1 or 0 = off, else keep the k most likely tokens (ties kept);
         at most ``MAX_INT32`` (the wire's int32; any k >= V is off anyway).
       min_p: in [0, 1]; drop tokens with probability < min_p * max probability.
-      seed: per-request seed (any int, taken modulo 2**64) or None for the
-        server's random stream. Seeded draws depend only on (seed, position).
+      seed: per-request seed or None for the server's random stream; a
+        request's seed must be in [``MIN_SEED``, ``MAX_SEED``] (int64 or
+        uint64; checked by ``RequestLimits``, since the engine derives
+        ``seed + i`` for completion i and the worker takes seeds modulo 2**64).
+        Seeded draws depend only on (seed, position).
       stop: strings that end the completion (normalized to a tuple).
       stop_token_ids: token ids that end the completion (normalized to a tuple).
       ignore_eos: keep generating after EOS.
@@ -120,8 +127,9 @@ class SamplingParams:
         were generated; 0 <= min_tokens <= max_tokens.
       logprobs: None, or N in [0, 20]: the sampled token's logprob plus top N.
       prompt_logprobs: None, or N in [0, 20] for every prompt token.
-      logit_bias: {token id: bias added to its logit}, read-only; string keys
-        holding integers (as JSON sends them) are accepted and converted.
+      logit_bias: {token id: bias added to its logit}, read-only; biases in
+        [-100, 100] (``LOGIT_BIAS_LIMIT``); string keys holding integers (as
+        JSON sends them) are accepted and converted.
       include_stop_str_in_output: keep the matched stop string in the text.
       skip_special_tokens: drop special tokens when detokenizing.
       spaces_between_special_tokens: detokenizer option, as in vLLM.
@@ -279,4 +287,7 @@ def _normalize_logit_bias(bias: Any) -> FrozenDict:
         if token < 0:
             raise ValueError(f"logit_bias token ids must be >= 0, got {token}")
         out[token] = _as_float("logit_bias", value)
+        if abs(out[token]) > LOGIT_BIAS_LIMIT:
+            raise ValueError(f"logit_bias values must be in [-{LOGIT_BIAS_LIMIT:g}, "
+                             f"{LOGIT_BIAS_LIMIT:g}], got {out[token]} for token {token}")
     return FrozenDict(out)

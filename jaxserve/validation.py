@@ -13,6 +13,9 @@ What is checked (``RequestLimits``):
 - every ``SamplingParams`` field: ``SamplingParams`` validates itself;
   ``sampling_params_from_kwargs`` maps its errors to the field;
 - ``n`` <= ``max_num_seqs`` (the engine's rows);
+- ``seed`` a 64-bit integer (``MIN_SEED`` .. ``MAX_SEED``), never silently
+  wrapped (``SamplingParams`` itself allows any int: the engine derives
+  ``seed + i`` for completion i);
 - the sampler's array widths (``jaxserve.sampling_params``, imported by the
   worker's sampler): at most ``MAX_LOGIT_BIAS`` logit-bias entries, at most
   ``MAX_STOP_IDS`` stop token ids plus the model's EOS ids (EOS not counted
@@ -35,7 +38,8 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from jaxserve.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_IDS, SamplingParams
+from jaxserve.sampling_params import (MAX_LOGIT_BIAS, MAX_SEED, MAX_STOP_IDS, MIN_SEED,
+                                      SamplingParams)
 
 SAMPLING_PREFIX = "sampling_params."
 _SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
@@ -123,6 +127,7 @@ class RequestLimits:
 
         Raises:
           InvalidArgument: ``sampling_params.n`` above ``max_num_seqs``;
+            ``sampling_params.seed`` outside [``MIN_SEED``, ``MAX_SEED``];
             ``sampling_params.logit_bias`` with more than ``MAX_LOGIT_BIAS``
             entries or an id outside the vocabulary;
             ``sampling_params.stop_token_ids`` with more than ``MAX_STOP_IDS``
@@ -133,6 +138,10 @@ class RequestLimits:
             raise InvalidArgument(SAMPLING_PREFIX + "n",
                                   f"at most {self.max_num_seqs} completions per request "
                                   f"(the server's max_num_seqs), got {params.n}")
+        if params.seed is not None and not MIN_SEED <= params.seed <= MAX_SEED:
+            raise InvalidArgument(SAMPLING_PREFIX + "seed",
+                                  f"must be a 64-bit integer (int64 or uint64), in [-2**63, "
+                                  f"2**64 - 1], got {params.seed}")
         if params.logit_bias and len(params.logit_bias) > MAX_LOGIT_BIAS:
             raise InvalidArgument(SAMPLING_PREFIX + "logit_bias",
                                   f"at most {MAX_LOGIT_BIAS} entries, got {len(params.logit_bias)}")

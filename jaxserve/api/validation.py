@@ -1,11 +1,13 @@
-"""The api's checks of request *forms*: text, chat, the wire ``SamplingParams`` (jax-free).
+"""The api's checks of request *forms*: a text prompt and a chat (jax-free).
 
 What a request is checked against — the model and the engine's limits — is
 ``jaxserve.validation`` (``RequestLimits``), shared with ``jaxserve.LLM`` and
 the engine; this module only adds what is particular to ``GenerateRequest``:
-a text prompt must be non-empty, a chat needs messages with roles, and the
-wire ``SamplingParams`` message becomes a validated ``SamplingParams``.
-Errors are ``jaxserve.validation.InvalidArgument`` naming the field.
+a text prompt must be non-empty and a chat needs messages, each with one of
+OpenAI's roles (``CHAT_ROLES``). The
+wire ``SamplingParams`` message becomes a validated ``SamplingParams`` in
+``RequestPreparer.sampling_params`` (``jaxserve.api.prompts``), over the
+model's defaults. Errors are ``jaxserve.validation.InvalidArgument`` naming the field.
 """
 
 from __future__ import annotations
@@ -13,19 +15,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from jaxserve.proto import generate_pb2 as pb
-from jaxserve.proto.convert import sampling_params_kwargs_from_proto
-from jaxserve.sampling_params import SamplingParams
-from jaxserve.validation import InvalidArgument, sampling_params_from_kwargs
+from jaxserve.validation import InvalidArgument
 
-
-def sampling_params_from_proto(message: pb.SamplingParams) -> SamplingParams:
-    """A validated ``SamplingParams`` from the wire message (absent max_tokens -> None).
-
-    Raises:
-      InvalidArgument: as ``jaxserve.validation.sampling_params_from_kwargs``.
-    """
-    return sampling_params_from_kwargs(sampling_params_kwargs_from_proto(message))
+# The message roles of OpenAI's Chat Completions API (and vLLM's server), which chat
+# templates are written for; "function" (OpenAI's deprecated tool role) is left out.
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
 
 def validate_text(text: str, *, field: str = "text") -> None:
@@ -39,13 +33,19 @@ def validate_text(text: str, *, field: str = "text") -> None:
 
 
 def validate_chat(messages: Sequence[Any], *, field: str = "chat.messages") -> None:
-    """A chat needs at least one message, each with a role (anything with ``.role``).
+    """A chat needs at least one message, each with a role in ``CHAT_ROLES``.
+
+    Args:
+      messages: anything with ``.role`` (``pb.ChatMessage``).
+      field: the request's name for the messages, named in errors.
 
     Raises:
-      InvalidArgument: ``field`` or ``field[i].role``.
+      InvalidArgument: ``field`` (no messages) or ``field[i].role``.
     """
     if not messages:
         raise InvalidArgument(field, "a chat needs at least one message")
     for i, message in enumerate(messages):
-        if not getattr(message, "role", None):
-            raise InvalidArgument(f"{field}[{i}].role", "must not be empty")
+        role = getattr(message, "role", None)
+        if role not in CHAT_ROLES:
+            raise InvalidArgument(f"{field}[{i}].role",
+                                  f"must be one of {', '.join(sorted(CHAT_ROLES))}, got {role!r}")

@@ -19,11 +19,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from jaxserve.proto import generate_pb2 as pb
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import MAX_SEED, MIN_SEED, SamplingParams
 
 SAMPLING_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(SamplingParams))
 _REPEATED = ("stop", "stop_token_ids")
-_SEED_MODULUS = 2**64  # SamplingParams.seed is taken modulo 2**64; the wire type is uint64
+_SEED_MODULUS = 2**64  # the wire type is uint64: a negative seed is sent as seed + 2**64
 
 FINISH_REASONS: dict[str, int] = {
     "stop": pb.FINISH_REASON_STOP,
@@ -43,7 +43,8 @@ def sampling_params_to_proto(
 
     Raises:
       ValueError: an unknown key, or a value the wire type cannot hold (wrong
-        type, out of the int32 range); the message starts with the field name.
+        type, out of the int32 range, a seed beyond 64 bits); the message
+        starts with the field name.
     """
     if params is None:
         return pb.SamplingParams()
@@ -70,6 +71,8 @@ def _set_field(message: pb.SamplingParams, name: str, value: Any) -> None:
         for token, bias in dict(value).items():
             message.logit_bias[int(token)] = bias
     elif name == "seed":
+        if not MIN_SEED <= int(value) <= MAX_SEED:
+            raise ValueError("a seed is a 64-bit integer, in [-2**63, 2**64 - 1]")
         message.seed = int(value) % _SEED_MODULUS
     else:
         setattr(message, name, value)

@@ -15,9 +15,10 @@ import time
 import grpc
 import pytest
 
-from jaxserve.api.validation import sampling_params_from_proto
+from jaxserve.api.prompts import RequestPreparer
 from jaxserve.client import Client, GenerateResult, JaxServeError, StreamDelta, Usage
 from jaxserve.proto import generate_pb2 as pb
+from jaxserve.proto.convert import sampling_params_kwargs_from_proto
 from jaxserve.sampling_params import SamplingParams
 from tests.api.fake_generate_server import (MODEL_INFO, NOT_SERVING_SERVICE, SERVICE, FakeServer,
                                             echo_completion)
@@ -80,7 +81,10 @@ def test_sampling_params_object_arrives_exactly(client, server):
     params = SamplingParams(temperature=0.7, top_p=0.9, top_k=5, seed=-3, max_tokens=None,
                             stop=["x"], logit_bias={3: -1.5}, skip_special_tokens=False)
     client.generate("hi", sampling_params=params)
-    received = sampling_params_from_proto(last_request(server).sampling_params)
+    preparer = RequestPreparer(None, vocab_size=1000, max_model_len=64, eos_token_ids=(),
+                               max_num_seqs=8)
+    received = preparer.sampling_params(
+        sampling_params_kwargs_from_proto(last_request(server).sampling_params))
     assert received == SamplingParams.from_dict({**params.to_dict(), "seed": -3 % 2**64})
     # Keyword arguments override the object's fields.
     client.generate("hi", sampling_params=params, top_k=7)

@@ -4,22 +4,44 @@ Starlette's test client drives the real FastAPI app: until the api process
 attaches its request runner every endpoint answers 503 in OpenAI's error
 shape; the API key is checked before anything else (``/health`` open);
 bodies that are not JSON, of the wrong type or with unknown fields are 400s
-naming the parameter, before any engine is involved.
+naming the parameter, before any engine is involved. With a runner attached
+over a stub engine that only says it is serving (``served``), requests the
+api refuses — another model, out-of-range values — are answered without
+reaching it.
 """
 
 from __future__ import annotations
+
+import types
 
 import pytest
 from fastapi.testclient import TestClient
 
 from jaxserve.api.openai.app import HttpFrontEnd, _param
+from jaxserve.api.prompts import RequestPreparer
+from jaxserve.api.runner import RequestRunner
+from jaxserve.metrics import ServerMetrics
 
 KEY = "k-123"
+MODEL = "m"
 
 
 @pytest.fixture
 def client():
     with TestClient(HttpFrontEnd(api_key=KEY).app) as c:
+        yield c
+
+
+@pytest.fixture
+def served():
+    """A client of a front end whose runner's engine is a stub that is serving (no tokenizer)."""
+    front = HttpFrontEnd()
+    preparer = RequestPreparer(None, vocab_size=1000, max_model_len=64, eos_token_ids=(),
+                               max_num_seqs=8)
+    engine = types.SimpleNamespace(serving=True, error=None)
+    front.attach(RequestRunner(engine, preparer, model_name=MODEL,
+                               metrics=ServerMetrics(lambda: None), max_pending_seqs=8))
+    with TestClient(front.app) as c:
         yield c
 
 
@@ -64,9 +86,23 @@ def test_api_key_comes_first_and_health_stays_open(client):
     ({"prompt": "x", "max_tokens": True}, "max_tokens"),
     ({"prompt": "x", "stream": "yes"}, "stream"),
     ({}, "prompt"),
+    ({"prompt": [1.5]}, "prompt"),  # a union: its member tags are not in the name
+    ({"prompt": "x", "logit_bias": {"5": "up"}}, "logit_bias"),  # a dict key is not a field
 ])
 def test_malformed_bodies_name_the_parameter(client, body, param):
     error = _error(client.post("/v1/completions", json=body, headers=AUTH), 400)
+    assert error["param"] == param and error["message"].startswith(param)
+
+
+@pytest.mark.parametrize("message,param", [
+    ({"role": "user", "content": 5}, "messages[0].content"),  # a union nested in a list
+    ({"role": "user", "content": [5]}, "messages[0].content"),
+    ({"role": "user", "content": "x", "foo": 1}, "messages[0].foo"),  # unknown, nested
+    ({"content": "x"}, "messages[0].role"),
+])
+def test_malformed_chat_messages_name_the_parameter(client, message, param):
+    reply = client.post("/v1/chat/completions", json={"messages": [message]}, headers=AUTH)
+    error = _error(reply, 400)
     assert error["param"] == param and error["message"].startswith(param)
 
 
@@ -87,7 +123,37 @@ def test_unknown_path_is_404_in_openai_shape(client):
 @pytest.mark.parametrize("loc,param", [
     (("body", "messages", 0, "content"), "messages[0].content"),
     (("body", "prompt", "list[int]", 3), "prompt[3]"),
+    (("body", "messages", 0, "content", "list[dict[str,any]]", 0), "messages[0].content[0]"),
+    (("body", "stop", "list[str]", 1), "stop[1]"),
+    (("body", "logit_bias", "17"), "logit_bias"),
     (("body",), None),
 ])
 def test_param_paths(loc, param):
     assert _param(loc) == param
+
+
+def test_an_unknown_fields_name_is_kept():
+    assert _param(("body", "messages", 2, "colour"), unknown_field=True) == "messages[2].colour"
+    assert _param(("body", "messages", 2, "colour")) == "messages[2]"
+
+
+def test_a_model_by_id(served):
+    entry = served.get(f"/v1/models/{MODEL}").json()
+    assert entry["id"] == MODEL and entry["object"] == "model"
+    for other in ("other", f"{MODEL}/x"):
+        error = _error(served.get(f"/v1/models/{other}"), 404)
+        assert error["param"] == "model" and other in error["message"]
+
+
+@pytest.mark.parametrize("endpoint,body,param", [
+    ("completions", {"prompt": "x", "logit_bias": {"5": 100.5}}, "logit_bias"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                          "logit_bias": {"5": -101}}, "logit_bias"),
+    ("completions", {"prompt": [1, 2], "seed": 2**64}, "seed"),
+    ("completions", {"prompt": [1, 2], "seed": -(2**63) - 1}, "seed"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"},
+                                       {"role": "narrator", "content": "y"}]}, "messages[1].role"),
+])
+def test_out_of_range_values_are_400s_naming_the_parameter(served, endpoint, body, param):
+    error = _error(served.post(f"/v1/{endpoint}", json=body), 400)
+    assert error["param"] == param and error["message"].startswith(param + ": ")

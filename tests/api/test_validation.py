@@ -1,7 +1,7 @@
 """Validation: every bad request field becomes an InvalidArgument naming that field.
 
 Sampling parameters travel through the wire message (``SamplingParams`` proto
--> kwargs -> ``jaxserve.SamplingParams``), as the server receives them.
+-> kwargs -> ``RequestPreparer.sampling_params``), as the server receives them.
 """
 
 from __future__ import annotations
@@ -9,17 +9,32 @@ from __future__ import annotations
 import math
 import random
 
+import grpc
 import pytest
 
-from jaxserve.api.validation import sampling_params_from_proto, validate_chat, validate_text
+from jaxserve.api.prompts import RequestPreparer
+from jaxserve.api.runner import ApiError, RequestRunner
+from jaxserve.api.validation import validate_chat, validate_text
+from jaxserve.metrics import ServerMetrics
 from jaxserve.proto import generate_pb2 as pb
 from jaxserve.proto.convert import (SAMPLING_FIELDS, sampling_params_kwargs_from_proto,
                                     sampling_params_to_proto)
-from jaxserve.sampling_params import MAX_LOGPROBS, SamplingParams
+from jaxserve.sampling_params import (LOGIT_BIAS_LIMIT, MAX_LOGPROBS, MAX_SEED, MIN_SEED,
+                                      SamplingParams)
 from jaxserve.validation import InvalidArgument, RequestLimits, sampling_params_from_kwargs
 
 VOCAB, MAX_LEN = 1000, 64
 LIMITS = RequestLimits(vocab_size=VOCAB, max_model_len=MAX_LEN, max_num_seqs=8)
+
+
+# No model defaults, so a message's absent fields take SamplingParams' own.
+PREPARER = RequestPreparer(None, vocab_size=VOCAB, max_model_len=MAX_LEN, eos_token_ids=(),
+                           max_num_seqs=8)
+
+
+def _from_wire(message: pb.SamplingParams) -> SamplingParams:
+    """The server's path from the wire message to a validated ``SamplingParams``."""
+    return PREPARER.sampling_params(sampling_params_kwargs_from_proto(message))
 
 
 def _validate(prompt, params, *, prompt_field="token_ids", default_max_tokens=None):
@@ -46,6 +61,7 @@ BAD_SAMPLING = [
     ("logprobs", {"logprobs": MAX_LOGPROBS + 1}), ("logprobs", {"logprobs": -1}),
     ("prompt_logprobs", {"prompt_logprobs": MAX_LOGPROBS + 1}),
     ("logit_bias", {"logit_bias": {-1: 1.0}}), ("logit_bias", {"logit_bias": {5: math.nan}}),
+    ("logit_bias", {"logit_bias": {5: 100.5}}), ("logit_bias", {"logit_bias": {5: -101.0}}),
 ]
 # Fields with no invalid wire value: bools, and seed (any uint64 is a seed).
 ALWAYS_VALID = {"ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
@@ -60,12 +76,17 @@ def test_every_sampling_field_has_a_bad_value_case():
 def test_bad_sampling_param_over_the_wire_names_field(field, values):
     message = sampling_params_to_proto(values)
     with pytest.raises(InvalidArgument) as info:
-        sampling_params_from_proto(message)
+        _from_wire(message)
     err = info.value
     assert isinstance(err, ValueError)
     assert err.field == f"sampling_params.{field}"
     assert str(err).startswith(f"sampling_params.{field}: ") and err.reason
     assert not err.reason.startswith(field)  # the name is not repeated
+
+
+def test_logit_bias_range_is_inclusive():
+    bias = {5: LOGIT_BIAS_LIMIT, 6: -LOGIT_BIAS_LIMIT}
+    assert _from_wire(sampling_params_to_proto({"logit_bias": bias})).logit_bias == bias
 
 
 def test_unknown_or_mistyped_kwargs_name_field():
@@ -82,7 +103,7 @@ def _random_params(rng: random.Random) -> SamplingParams:
         frequency_penalty=rng.uniform(-2, 2), repetition_penalty=rng.uniform(0.5, 2),
         temperature=rng.choice([0.0, rng.uniform(0, 2)]), top_p=rng.uniform(0.01, 1),
         top_k=rng.choice([-1, 0, rng.randrange(1, 100)]), min_p=rng.uniform(0, 1),
-        seed=rng.choice([None, rng.randrange(-2**70, 2**70)]),
+        seed=rng.choice([None, rng.randrange(MIN_SEED, MAX_SEED + 1)]),
         stop=[f"s{rng.randrange(9)}" for _ in range(rng.randrange(3))],
         stop_token_ids=[rng.randrange(VOCAB) for _ in range(rng.randrange(3))],
         ignore_eos=rng.random() < 0.5, max_tokens=rng.choice([None, rng.randrange(8, 40)]),
@@ -98,14 +119,14 @@ def test_sampling_params_round_trip_over_the_wire():
     for _ in range(200):
         params = _random_params(rng)
         wire = pb.SamplingParams.FromString(sampling_params_to_proto(params).SerializeToString())
-        back = sampling_params_from_proto(wire)
+        back = _from_wire(wire)
         expected = params if params.seed is None else SamplingParams.from_dict(
             {**params.to_dict(), "seed": params.seed % 2**64})
         assert back == expected
 
 
 def test_absent_fields_take_defaults_except_max_tokens():
-    params = sampling_params_from_proto(pb.SamplingParams())
+    params = _from_wire(pb.SamplingParams())
     assert params == SamplingParams(max_tokens=None)
     # Presence: an explicit default-valued field is distinguishable from an absent one.
     message = pb.SamplingParams(temperature=0.0, skip_special_tokens=False)
@@ -118,6 +139,9 @@ def test_client_side_conversion_errors_name_field():
         sampling_params_to_proto({"max_tokens": 2**40})
     with pytest.raises(ValueError, match=r"^temprature: unknown"):
         sampling_params_to_proto({"temprature": 1.0})
+    for seed in (MAX_SEED + 1, MIN_SEED - 1):  # never sent wrapped modulo 2**64
+        with pytest.raises(ValueError, match=r"^seed: cannot send"):
+            sampling_params_to_proto({"seed": seed})
 
 
 # (prompt ids, params, field) for RequestLimits.validate with VOCAB / MAX_LEN.
@@ -130,6 +154,9 @@ BAD_REQUESTS = [
     (list(range(60)), SamplingParams(max_tokens=None, min_tokens=5), "sampling_params.min_tokens"),
     ([1, 2], SamplingParams(stop_token_ids=[VOCAB + 3]), "sampling_params.stop_token_ids"),
     ([1, 2], SamplingParams(logit_bias={VOCAB: 1.0}), "sampling_params.logit_bias"),
+    ([1, 2], SamplingParams(seed=MAX_SEED + 1), "sampling_params.seed"),
+    ([1, 2], SamplingParams(seed=MIN_SEED - 1), "sampling_params.seed"),
+    ([1, 2], SamplingParams(seed=2**70), "sampling_params.seed"),
 ]
 
 
@@ -143,6 +170,11 @@ def test_bad_request_names_field(prompt, params, field):
 def test_prompt_field_name_follows_the_request():
     with pytest.raises(InvalidArgument, match=r"^chat\.messages: "):
         _validate([], SamplingParams(),                          prompt_field="chat.messages")
+
+
+def test_seeds_of_64_bits_are_accepted():
+    for seed in (MIN_SEED, -1, 0, 2**63 - 1, MAX_SEED):
+        assert _validate([1, 2], SamplingParams(seed=seed)).seed == seed
 
 
 def test_length_limits_exact():
@@ -179,3 +211,32 @@ def test_text_and_chat_checks():
     with pytest.raises(InvalidArgument, match=r"^chat\.messages\[1\]\.role: "):
         validate_chat(messages)
     validate_chat(messages[:1])
+
+
+def test_chat_roles_are_openais():
+    validate_chat([pb.ChatMessage(role=role, content="x")
+                   for role in ("system", "developer", "user", "assistant", "tool")])
+    for role in ("User", "bot", "function", " user"):
+        messages = [pb.ChatMessage(role="user", content="hi"), pb.ChatMessage(role=role)]
+        with pytest.raises(InvalidArgument) as info:
+            validate_chat(messages, field="messages")
+        assert info.value.field == "messages[1].role" and repr(role) in info.value.reason
+
+
+# (request, field): refused by the gRPC path (RequestRunner.prepare) with INVALID_ARGUMENT.
+BAD_GRPC = [
+    (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2]),
+                        sampling_params=pb.SamplingParams(logit_bias={5: 100.5})),
+     "sampling_params.logit_bias"),
+    (pb.GenerateRequest(chat=pb.Chat(messages=[pb.ChatMessage(role="robot", content="hi")])),
+     "chat.messages[0].role"),
+]
+
+
+@pytest.mark.parametrize("generate_request, field", BAD_GRPC)
+def test_bad_grpc_requests_are_invalid_argument(generate_request, field):
+    runner = RequestRunner(None, PREPARER, model_name="m", metrics=ServerMetrics(lambda: None),
+                           max_pending_seqs=8)
+    with pytest.raises(ApiError) as info:
+        runner.prepare(generate_request)
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and info.value.field == field

@@ -284,7 +284,8 @@ _SMALL_MAX = st.one_of(st.integers(1, 4), st.integers(1, 4), st.integers(-3, 0),
 # In-range values for a body that should run (max_tokens <= 4 keeps it short).
 _VALID_HTTP = {
     "n": st.integers(1, MAX_NUM_SEQS), "temperature": st.floats(0, 2),
-    "top_p": st.floats(0.01, 1), "top_k": st.integers(-1, 2**31 - 1), "seed": st.integers(),
+    "top_p": st.floats(0.01, 1), "top_k": st.integers(-1, 2**31 - 1),
+    "seed": st.integers(-2**63, 2**64 - 1),
     "stop": st.lists(_TEXT.filter(bool), max_size=3), "stream": st.booleans(),
     "stop_token_ids": st.lists(st.integers(0, VOCAB - 1), max_size=4),
     "logit_bias": st.dictionaries(st.integers(0, VOCAB - 1).map(str), st.floats(-100, 100),

@@ -209,6 +209,7 @@ def test_invalid_requests_are_rejected_naming_the_field():
         (EngineCoreRequest("h", [1], SamplingParams(
             logit_bias={i: 1.0 for i in range(MAX_LOGIT_BIAS + 1)})), sp + "logit_bias"),
         (EngineCoreRequest("i", [1], SamplingParams(n=5)), sp + "n"),
+        (EngineCoreRequest("l", [1], SamplingParams(seed=2**64)), sp + "seed"),
     ]
     for request, field in cases:
         with pytest.raises(InvalidArgument) as err:

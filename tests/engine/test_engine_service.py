@@ -184,10 +184,31 @@ class _DyingWorker(_SlowWorker):
         return super().execute(plan)
 
 
+def _long_requests(count: int) -> list[EngineCoreRequest]:
+    """Requests of 30 tokens each, long enough to be in flight when the worker dies."""
+    return [EngineCoreRequest(f"d{i}", [i + 1, 2, 3], SamplingParams(max_tokens=30,
+                                                                      ignore_eos=True))
+            for i in range(count)]
+
+
+async def _run_until_worker_dies(client: EngineClient, worker: _DyingWorker,
+                                 requests: list[EngineCoreRequest]) -> list[dict]:
+    """Sends ``requests``, arms ``worker`` to die, and collects each request's outcome."""
+    queues = [client.register(r.request_id) for r in requests]
+    for r in requests:
+        await client.add(r)
+    worker.armed.set()
+    return await asyncio.gather(*(_collect(client, r, q) for r, q in zip(requests, queues)))
+
+
+def _health_status(address: str):
+    with grpc.insecure_channel(address) as channel:
+        return health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=10).status
+
+
 def test_worker_death_fails_in_flight_requests_and_stops_serving():
-    requests = [EngineCoreRequest(f"d{i}", [i + 1, 2, 3], SamplingParams(max_tokens=30,
-                                                                          ignore_eos=True))
-                for i in range(6)]
+    requests = _long_requests(6)
     failures = []
 
     async def run():
@@ -195,18 +216,12 @@ def test_worker_death_fails_in_flight_requests_and_stops_serving():
         async with _Served(_core(worker)) as served:
             c = served.client
             c.on_failure(failures.append)
-            queues = [c.register(r.request_id) for r in requests]
-            for r in requests:
-                await c.add(r)
-            worker.armed.set()
-            results = await asyncio.gather(*(_collect(c, r, q) for r, q in zip(requests, queues)))
+            results = await _run_until_worker_dies(c, worker, requests)
             stats, serving, error = await c.stats()
             c.register("late")
             with pytest.raises(EngineError) as err:
                 await c.add(EngineCoreRequest("late", [1], SamplingParams()))
-            with grpc.insecure_channel(served.address) as channel:
-                status = health_pb2_grpc.HealthStub(channel).Check(
-                    health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=10).status
+            status = _health_status(served.address)
             return results, serving, error, err.value.code, status, c.serving
 
     results, serving, error, late_code, status, client_serving = asyncio.run(run())
@@ -219,9 +234,7 @@ def test_worker_death_fails_in_flight_requests_and_stops_serving():
 
 
 def test_after_worker_death_the_engine_restarts_and_the_client_serves_again():
-    doomed = [EngineCoreRequest(f"d{i}", [i + 1, 2, 3], SamplingParams(max_tokens=30,
-                                                                        ignore_eos=True))
-              for i in range(4)]
+    doomed = _long_requests(4)
     after = _requests(seed=11, count=3)
     replaced = []
 
@@ -235,15 +248,9 @@ def test_after_worker_death_the_engine_restarts_and_the_client_serves_again():
             c = served.client
             recovered = asyncio.Event()
             c.on_recovery(recovered.set)
-            queues = [c.register(r.request_id) for r in doomed]
-            for r in doomed:
-                await c.add(r)
-            worker.armed.set()
-            failed = await asyncio.gather(*(_collect(c, r, q) for r, q in zip(doomed, queues)))
+            failed = await _run_until_worker_dies(c, worker, doomed)
             await asyncio.wait_for(recovered.wait(), 30)
-            with grpc.insecure_channel(served.address) as channel:
-                status = health_pb2_grpc.HealthStub(channel).Check(
-                    health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=10).status
+            status = _health_status(served.address)
             queues = [c.register(r.request_id) for r in after]
             for r in after:
                 await c.add(r)

@@ -42,8 +42,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
-from jaxserve.api.openai.protocol import (ChatCompletionRequest, CompletionRequest,
-                                          DetokenizeRequest, TokenizeRequest)
+from jaxserve.api.openai.protocol import (FIELD_NAMES, ChatCompletionRequest,
+                                          CompletionRequest, DetokenizeRequest, TokenizeRequest)
 from jaxserve.api.openai.serving import (OpenAIResult, OpenAIServing, check_model, error_body,
                                          http_status)
 from jaxserve.api.runner import ApiError, RequestRunner
@@ -91,17 +91,22 @@ def bearer_token_matches(header: str, key: str) -> bool:
                                                                  key.encode())
 
 
-def _param(loc: tuple[Any, ...]) -> str | None:
-    """``("body", "messages", 0, "content")`` -> ``"messages[0].content"``."""
-    parts = [p for p in loc if p != "body"]
+def _param(loc: tuple[Any, ...], *, unknown_field: bool = False) -> str | None:
+    """A pydantic error location as a parameter path, or None for the whole body.
+
+    ``("body", "messages", 0, "content", "list[dict[str,any]]", 0)`` ->
+    ``"messages[0].content[0]"``: list indices are kept, and so are the parts
+    that are field names of the request models (``protocol.FIELD_NAMES``);
+    the others — pydantic's union member tags, dict keys — are dropped. With
+    ``unknown_field`` (an ``extra_forbidden`` error) the last part is the
+    unknown field's name and is kept.
+    """
+    parts = loc[1:] if loc[:1] == ("body",) else loc
     name = ""
-    for part in parts:
+    for i, part in enumerate(parts):
         if isinstance(part, int):
             name += f"[{part}]"
-        elif part in ("str", "int", "float", "bool", "list[int]", "list[str]",
-                      "list[list[int]]", "dict[str,any]", "list[dict[str,any]]", "json-or-python"):
-            continue  # pydantic's union member tags
-        else:
+        elif part in FIELD_NAMES or (unknown_field and i == len(parts) - 1):
             name += ("." if name else "") + str(part)
     return name or None
 
@@ -168,7 +173,8 @@ def build_app(front: HttpFrontEnd) -> FastAPI:
             message, param = ("the request body must be a JSON object (send Content-Type: "
                               "application/json)"), None
         else:
-            param = _param(tuple(first.get("loc", ())))
+            param = _param(tuple(first.get("loc", ())),
+                           unknown_field=first.get("type") == "extra_forbidden")
             message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
         if front.serving is not None:
             front.serving.runner.metrics.rejected.labels(code="INVALID_ARGUMENT").inc()
@@ -198,12 +204,9 @@ def build_app(front: HttpFrontEnd) -> FastAPI:
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> dict[str, Any]:
-        listed = await models()
-        for entry in listed["data"]:
-            if entry["id"] == model_id:
-                return entry
-        check_model(front._serving().runner, model_id)  # raises 404
-        raise AssertionError("unreachable")
+        check_model(front._serving().runner, model_id)  # 404 for any other name
+        (entry,) = (await models())["data"]
+        return entry
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:

@@ -18,6 +18,7 @@ this server cannot honour when set to anything but their no-op value
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -155,3 +156,15 @@ class DetokenizeRequest(_Body):
 
     model: str | None = None
     tokens: list[int] = Field(default_factory=list)
+
+
+def _models(base: type[BaseModel]) -> Iterator[type[BaseModel]]:
+    for model in base.__subclasses__():
+        yield model
+        yield from _models(model)
+
+
+# Every field name of every request model, at any depth: a pydantic error location
+# part that is not one of these is a union member tag ("list[int]") or a dict key.
+FIELD_NAMES: frozenset[str] = frozenset(name for model in _models(_Body)
+                                        for name in model.model_fields)
