@@ -77,6 +77,8 @@ class LLM:
         (``jaxserve.engine.core``).
       scan_layers: run the layers with ``jax.lax.scan`` over stacked weights
         (compiles ~4× faster; decodes ~1.3× slower on the CPU: docs/model.md).
+      tensor_parallel_size: devices the model and KV cache are split over
+        (docs/scale_out.md); the model's heads must split over them.
       compilation_cache_dir: JAX's persistent compilation cache directory;
         None = JAX's setting (``JAX_COMPILATION_CACHE_DIR`` or
         ``jax.config``) when there is one, else ``$JAXSERVE_CACHE/jax_cache``
@@ -110,7 +112,7 @@ class LLM:
                  token_buckets: Sequence[int] = (), request_buckets: Sequence[int] = (),
                  attention_backend: str | None = None, seed: int = 0,
                  async_scheduling: bool = False, scan_layers: bool = False,
-                 compilation_cache_dir: str | None = None,
+                 tensor_parallel_size: int = 1, compilation_cache_dir: str | None = None,
                  strict_recompile: bool = False, generation_config: str = "auto",
                  worker: Any = None):
         from jaxserve.demo_model import resolve_model_path
@@ -133,7 +135,7 @@ class LLM:
                               kv_cache_bytes=kv_cache_bytes,
                               enable_prefix_caching=enable_prefix_caching),
             attention_backend=attention_backend, seed=seed, async_scheduling=async_scheduling,
-            scan_layers=scan_layers,
+            scan_layers=scan_layers, tensor_parallel_size=tensor_parallel_size,
             compile=CompileConfig(cache_dir=compilation_cache_dir,
                                   strict_recompile=strict_recompile))
         if worker is None or worker == "in_process":

@@ -72,7 +72,7 @@ def init_to_proto(init: WorkerInit) -> wpb.InitializeRequest:
         token_buckets=list(init.token_buckets), request_buckets=list(init.request_buckets),
         seed_json=json.dumps(int(init.seed)), memory_utilization=init.memory_utilization,
         precompile=init.precompile, strict_recompile=init.strict_recompile,
-        scan_layers=init.scan_layers)
+        scan_layers=init.scan_layers, tensor_parallel_size=init.tensor_parallel_size)
     for field in ("model", "num_kv_blocks", "kv_cache_bytes", "max_model_len",
                   "attention_backend", "compilation_cache_dir"):
         value = getattr(init, field)
@@ -91,7 +91,8 @@ def init_from_proto(msg: wpb.InitializeRequest) -> WorkerInit:
         attention_backend=opt("attention_backend"), seed=int(json.loads(msg.seed_json)),
         memory_utilization=msg.memory_utilization, precompile=msg.precompile,
         strict_recompile=msg.strict_recompile,
-        compilation_cache_dir=opt("compilation_cache_dir"), scan_layers=msg.scan_layers)
+        compilation_cache_dir=opt("compilation_cache_dir"), scan_layers=msg.scan_layers,
+        tensor_parallel_size=msg.tensor_parallel_size or 1)
 
 
 def geometry_to_proto(g: Geometry) -> wpb.Geometry:

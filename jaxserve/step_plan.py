@@ -84,6 +84,8 @@ class WorkerInit:
         ``JAX_COMPILATION_CACHE_DIR`` environment variable) alone.
       scan_layers: run the layers with ``jax.lax.scan`` over stacked weights
         (compiles ~4× faster; decodes ~1.3× slower on the CPU: docs/model.md).
+      tensor_parallel_size: TP, the devices the worker splits the model and
+        KV cache over (docs/scale_out.md); 1 = one device.
     """
 
     model: str | None
@@ -102,6 +104,7 @@ class WorkerInit:
     strict_recompile: bool = False
     compilation_cache_dir: str | None = None
     scan_layers: bool = False
+    tensor_parallel_size: int = 1
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

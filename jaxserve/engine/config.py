@@ -160,6 +160,8 @@ class EngineConfig:
       compile: see ``CompileConfig``.
       scan_layers: the worker runs the layers with ``jax.lax.scan``
         (``WorkerInit.scan_layers``).
+      tensor_parallel_size: devices the worker splits the model over
+        (``WorkerInit.tensor_parallel_size``).
       eos_token_ids: filled from the worker's geometry by ``resolved``.
     """
 
@@ -173,9 +175,13 @@ class EngineConfig:
     async_scheduling: bool = False
     compile: CompileConfig = dataclasses.field(default_factory=CompileConfig)
     scan_layers: bool = False
+    tensor_parallel_size: int = 1
     eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got "
+                             f"{self.tensor_parallel_size}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.dtype not in SERVED_DTYPES:
@@ -194,7 +200,8 @@ class EngineConfig:
             attention_backend=self.attention_backend, seed=self.seed,
             memory_utilization=self.cache.memory_utilization,
             precompile=self.compile.precompile, strict_recompile=self.compile.strict_recompile,
-            compilation_cache_dir=self.compile.cache_dir, scan_layers=self.scan_layers)
+            compilation_cache_dir=self.compile.cache_dir, scan_layers=self.scan_layers,
+            tensor_parallel_size=self.tensor_parallel_size)
 
     def resolved(self, geometry: Geometry) -> "EngineConfig":
         """A new config with the worker's geometry filled in.

@@ -269,6 +269,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scan-layers", action="store_true",
                         help="run the layers with jax.lax.scan over stacked weights: compiles "
                              "~4x faster, decodes ~1.3x slower on the CPU (docs/model.md)")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1,
+                        help="devices the worker splits the model and KV cache over (default "
+                             "1; docs/scale_out.md)")
     parser.add_argument("--max-worker-restarts", type=_non_negative_int, default=3,
                         help="worker processes the engine may start to replace a dead or hung "
                              "one, in its life (default 3; 0 = a worker failure is final)")
@@ -282,6 +285,13 @@ def _non_negative_int(text: str) -> int:
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
 
 
@@ -310,6 +320,7 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
     flags.append("--async-scheduling" if args.async_scheduling else "--no-async-scheduling")
     if args.scan_layers:
         flags.append("--scan-layers")
+    flags += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
     flags += ["--max-worker-restarts", str(args.max_worker_restarts),
               "--step-timeout", repr(args.step_timeout)]
     return flags
@@ -326,7 +337,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                           enable_prefix_caching=not args.no_prefix_caching,
                           **({} if args.kv_cache_bytes is None
                              else {"kv_cache_bytes": args.kv_cache_bytes})),
-        seed=args.seed, async_scheduling=args.async_scheduling, scan_layers=args.scan_layers)
+        seed=args.seed, async_scheduling=args.async_scheduling, scan_layers=args.scan_layers,
+        tensor_parallel_size=args.tensor_parallel_size)
 
 
 def _make_worker(args: argparse.Namespace):

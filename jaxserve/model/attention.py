@@ -43,7 +43,7 @@ def default_backend() -> str:
 
 
 def with_schedule(metadata: AttentionMetadata, *, num_tokens: int, num_heads: int,
-                  k_cache: jax.Array, backend: str) -> AttentionMetadata:
+                  k_cache: jax.Array, backend: str, num_shards: int = 1) -> AttentionMetadata:
     """The metadata with the kernel's tile schedule, computed once for all layers.
 
     For the Pallas backends, ``rpa.attention_schedule`` (which query tokens
@@ -57,13 +57,16 @@ def with_schedule(metadata: AttentionMetadata, *, num_tokens: int, num_heads: in
       k_cache: one layer's cache ``[B, K, S, H]`` or the stacked ``[L, B, K, S, H]``
         (only its shape and dtype are read).
       backend: one of ATTENTION_BACKENDS.
+      num_shards: TP; the kernel runs per device over N / TP heads and K / TP
+        KV heads (``jaxserve.model.sharding``).
     """
     if backend not in ("pallas", "pallas_interpret"):
         return metadata
     num_kv_heads, block_size, head_dim = k_cache.shape[-3:]
     tiles = rpa.attention_schedule(
-        metadata.query_start_loc, metadata.seq_lens, num_tokens=num_tokens, num_heads=num_heads,
-        num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size, dtype=k_cache.dtype)
+        metadata.query_start_loc, metadata.seq_lens, num_tokens=num_tokens,
+        num_heads=num_heads // num_shards, num_kv_heads=num_kv_heads // num_shards,
+        head_dim=head_dim, block_size=block_size, dtype=k_cache.dtype)
     return dataclasses.replace(metadata, tiles=tiles)
 
 

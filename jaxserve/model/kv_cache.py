@@ -16,8 +16,10 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
 
 from jaxserve.config import ModelConfig
+from jaxserve.model.sharding import kv_cache_partition_spec
 
 NULL_BLOCK = 0  # reserved: scratch target of padding tokens, never allocated
 
@@ -49,22 +51,30 @@ def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: jnp.dt
 
 
 def kv_cache_shapes(config: ModelConfig, num_blocks: int, block_size: int,
-                    dtype: jnp.dtype = jnp.float32, stacked: bool = False) -> KVCache:
-    """The cache's ``jax.ShapeDtypeStruct``s (allocates nothing); see ``init_kv_cache``."""
+                    dtype: jnp.dtype = jnp.float32, stacked: bool = False,
+                    mesh=None) -> KVCache:
+    """The cache's ``jax.ShapeDtypeStruct``s (allocates nothing); see ``init_kv_cache``.
+
+    With a ``mesh`` each spec carries its sharding (split over the KV heads).
+    """
     shape = (num_blocks, config.num_kv_heads, block_size, config.head_dim)
     if stacked:
-        spec = jax.ShapeDtypeStruct((config.num_layers,) + shape, dtype)
-        return KVCache(k=(spec,), v=(spec,))
-    spec = jax.ShapeDtypeStruct(shape, dtype)
-    return KVCache(k=(spec,) * config.num_layers, v=(spec,) * config.num_layers)
+        shape = (config.num_layers,) + shape
+    where = None if mesh is None else NamedSharding(mesh, kv_cache_partition_spec(len(shape)))
+    spec = jax.ShapeDtypeStruct(shape, dtype, sharding=where)
+    count = 1 if stacked else config.num_layers
+    return KVCache(k=(spec,) * count, v=(spec,) * count)
 
 
 def init_kv_cache(config: ModelConfig, num_blocks: int, block_size: int,
-                  dtype: jnp.dtype = jnp.float32, stacked: bool = False) -> KVCache:
+                  dtype: jnp.dtype = jnp.float32, stacked: bool = False,
+                  mesh=None) -> KVCache:
     """Allocates a zeroed cache of ``num_blocks`` blocks (block 0 is the null block).
 
     ``stacked``: one ``[L, B, K, S, H]`` array for K and one for V, as a
     model built with ``scan_layers`` needs; otherwise L arrays ``[B, K, S, H]``.
+    ``mesh``: a tensor-parallel mesh; each device then holds its K / TP KV
+    heads of every array (``sharding.kv_cache_partition_spec``).
 
     Raises:
       ValueError: num_blocks < 2 or block_size < 1.
@@ -73,8 +83,8 @@ def init_kv_cache(config: ModelConfig, num_blocks: int, block_size: int,
         raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
-    specs = kv_cache_shapes(config, num_blocks, block_size, dtype, stacked)
-    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), specs)
+    specs = kv_cache_shapes(config, num_blocks, block_size, dtype, stacked, mesh)
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype, device=s.sharding), specs)
 
 
 def write_kv(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,

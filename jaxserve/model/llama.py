@@ -19,20 +19,29 @@ Projections are fused at load time: ``qkv_proj`` is ``[D, (N + 2K)·H]`` and
 ``gate_up_proj`` is ``[D, 2F]`` — one matrix product each instead of three and
 two, which matters at batch 1 on the CPU, where every product streams its
 weights. Kernels are stored ``[in, out]``.
+
+Built with a ``mesh`` (tensor parallel over TP devices, ``jaxserve.model.sharding``),
+the fused columns are grouped by device and the model splits them per group;
+the KV write and attention run per device under ``jax.shard_map`` (each device
+its own KV heads), and the logits are gathered to full rows. Without a mesh
+(TP = 1) the same code runs with one group.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxserve.config import ModelConfig
 from jaxserve.model import rope
 from jaxserve.model.attention import AttentionMetadata, paged_attention, with_schedule
 from jaxserve.model.kv_cache import KVCache, write_kv
+from jaxserve.model.sharding import TP_AXIS, kv_cache_partition_spec, mesh_size
 
 _INIT_STD = 0.02  # only for abstract construction and standalone random models
 
@@ -54,13 +63,31 @@ class RMSNorm(nnx.Module):
         return self.weight[...] * y.astype(x.dtype)
 
 
+def _write_and_attend(q, key, value, k_cache, v_cache, metadata, *, sm_scale, backend,
+                      sliding_window):
+    """The step's K/V written into one layer's cache, then attention over it.
+
+    q: [T, N, H]; key, value: [T, K, H]; caches [B, K, S, H] → ([T, N, H], caches).
+    Under ``shard_map`` N and K are one device's heads.
+    """
+    with jax.named_scope("kv_write"):  # scope names: benchmarks/step_profile.py
+        k_cache, v_cache = write_kv(k_cache, v_cache, key, value, metadata.slot_mapping)
+    with jax.named_scope("attention"):
+        out = paged_attention(q, k_cache, v_cache, metadata, sm_scale=sm_scale,
+                              backend=backend, sliding_window=sliding_window)
+    return out, k_cache, v_cache
+
+
 class Attention(nnx.Module):
     """Grouped-query self-attention over the paged KV cache."""
 
-    def __init__(self, config: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs,
+                 mesh: Mesh | None = None):
         n, k, h, d = config.num_heads, config.num_kv_heads, config.head_dim, config.hidden_size
         self.config = config
-        self.qkv_proj = _param(rngs, (d, (n + 2 * k) * h), dtype)  # [D, (N + 2K)·H]
+        self.mesh = mesh
+        # [D, (N + 2K)·H]: columns [q | k | v] per device group (jaxserve.model.sharding)
+        self.qkv_proj = _param(rngs, (d, (n + 2 * k) * h), dtype)
         self.qkv_bias = nnx.Param(jnp.zeros(((n + 2 * k) * h,), dtype)) if config.attention_bias else None
         self.o_proj = _param(rngs, (n * h, d), dtype)  # [N·H, D]
         if config.qk_norm:
@@ -75,44 +102,57 @@ class Attention(nnx.Module):
         """x: [T, D]; cos, sin: f32[T, H/2]; caches [B, K, S, H] → ([T, D], k_cache, v_cache)."""
         cfg = self.config
         n, k, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        g = mesh_size(self.mesh)  # device groups of the fused columns
         t = x.shape[0]
         qkv = x @ self.qkv_proj[...]  # [T, (N + 2K)·H]
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias[...]
-        q = qkv[:, : n * h].reshape(t, n, h)  # [T, N, H]
-        key = qkv[:, n * h: (n + k) * h].reshape(t, k, h)  # [T, K, H]
-        value = qkv[:, (n + k) * h:].reshape(t, k, h)  # [T, K, H]
+        qkv = qkv.reshape(t, g, -1)  # [T, TP, (N + 2K)·H / TP]
+        nq, nk = n // g * h, k // g * h  # one group's q and k (or v) columns
+        q = qkv[:, :, :nq].reshape(t, n, h)  # [T, N, H]
+        key = qkv[:, :, nq: nq + nk].reshape(t, k, h)  # [T, K, H]
+        value = qkv[:, :, nq + nk:].reshape(t, k, h)  # [T, K, H]
         if self.q_norm is not None:
             q, key = self.q_norm(q), self.k_norm(key)
         q = rope.apply_rope(q, cos, sin)
         key = rope.apply_rope(key, cos, sin)
-        with jax.named_scope("kv_write"):  # scope names: benchmarks/step_profile.py
-            k_cache, v_cache = write_kv(k_cache, v_cache, key, value, metadata.slot_mapping)
-        with jax.named_scope("attention"):
-            out = paged_attention(q, k_cache, v_cache, metadata, sm_scale=h ** -0.5,
-                                  backend=backend, sliding_window=cfg.sliding_window)
+        attend = functools.partial(_write_and_attend, sm_scale=h ** -0.5, backend=backend,
+                                   sliding_window=cfg.sliding_window)
+        if self.mesh is not None:  # each device its own heads and its KV heads' cache
+            heads, cache = P(None, TP_AXIS, None), kv_cache_partition_spec(k_cache.ndim)
+            attend = jax.shard_map(attend, mesh=self.mesh,
+                                   in_specs=(heads, heads, heads, cache, cache, P()),
+                                   out_specs=(heads, cache, cache), check_vma=False)
+        out, k_cache, v_cache = attend(q, key, value, k_cache, v_cache, metadata)
         return out.reshape(t, n * h) @ self.o_proj[...], k_cache, v_cache
 
 
 class MLP(nnx.Module):
     """SwiGLU feed-forward (Shazeer, 2020): down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, config: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs,
+                 num_groups: int = 1):
         d, f = config.hidden_size, config.intermediate_size
-        self.gate_up_proj = _param(rngs, (d, 2 * f), dtype)  # [D, 2F]
+        self.num_groups = num_groups
+        # [D, 2F]: columns [gate | up] per device group (jaxserve.model.sharding)
+        self.gate_up_proj = _param(rngs, (d, 2 * f), dtype)
         self.down_proj = _param(rngs, (f, d), dtype)  # [F, D]
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        gate, up = jnp.split(x @ self.gate_up_proj[...], 2, axis=-1)
+        """x: [T, D] → [T, D]."""
+        t, g = x.shape[0], self.num_groups
+        gate_up = (x @ self.gate_up_proj[...]).reshape(t, g, 2, -1)  # [T, TP, 2, F / TP]
+        gate, up = gate_up[:, :, 0].reshape(t, -1), gate_up[:, :, 1].reshape(t, -1)  # [T, F]
         return (jax.nn.silu(gate) * up) @ self.down_proj[...]
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, config: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs,
+                 mesh: Mesh | None = None):
         self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.attn = Attention(config, dtype, rngs)
+        self.attn = Attention(config, dtype, rngs, mesh)
         self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mlp = MLP(config, dtype, rngs)
+        self.mlp = MLP(config, dtype, rngs, mesh_size(mesh))
 
     def __call__(self, x, cos, sin, k_cache, v_cache, metadata, backend):
         attn_out, k_cache, v_cache = self.attn(
@@ -122,9 +162,10 @@ class DecoderLayer(nnx.Module):
         return x, k_cache, v_cache
 
 
-def _stacked_layers(config: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs) -> DecoderLayer:
+def _stacked_layers(config: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs,
+                    mesh: Mesh | None) -> DecoderLayer:
     """One DecoderLayer whose every parameter is the L layers' stacked on axis 0."""
-    layers = [DecoderLayer(config, dtype, rngs) for _ in range(config.num_layers)]
+    layers = [DecoderLayer(config, dtype, rngs, mesh) for _ in range(config.num_layers)]
     graphdef, first = nnx.split(layers[0])
     states = [first] + [nnx.state(layer) for layer in layers[1:]]
     return nnx.merge(graphdef, jax.tree.map(lambda *xs: jnp.stack(xs), *states))
@@ -142,17 +183,20 @@ class CausalLM(nnx.Module):
       rngs: initialisation keys (random models; the loader builds abstractly).
       scan_layers: stack the layers and run them with ``jax.lax.scan``; the
         KV cache must then be stacked too (``init_kv_cache(..., stacked=True)``).
+      mesh: the tensor-parallel mesh (``sharding.make_mesh``), None for one
+        device; ``config`` is then ``sharding.tensor_parallel_config``'s.
     """
 
     def __init__(self, config: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs,
-                 scan_layers: bool = False):
+                 scan_layers: bool = False, mesh: Mesh | None = None):
         self.config = config
         self.scan_layers = scan_layers
+        self.mesh = mesh
         self.embed = _param(rngs, (config.vocab_size, config.hidden_size), dtype)  # [V, D]
         if scan_layers:
-            self.layers = _stacked_layers(config, dtype, rngs)  # every parameter [L, ...]
+            self.layers = _stacked_layers(config, dtype, rngs, mesh)  # every parameter [L, ...]
         else:
-            self.layers = nnx.List([DecoderLayer(config, dtype, rngs)
+            self.layers = nnx.List([DecoderLayer(config, dtype, rngs, mesh)
                                     for _ in range(config.num_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.lm_head = (None if config.tie_word_embeddings
@@ -165,7 +209,8 @@ class CausalLM(nnx.Module):
         cos, sin = rope.rope_cos_sin(positions, rope.inverse_frequencies(self.config))
         metadata = with_schedule(metadata, num_tokens=input_ids.shape[0],
                                  num_heads=self.config.num_heads, k_cache=kv_cache.k[0],
-                                 backend=backend)  # once per step, for every layer
+                                 backend=backend, num_shards=mesh_size(self.mesh))
+        # ^ once per step, for every layer
         if self.scan_layers:
             return self._scan_layers(x, cos, sin, kv_cache, metadata, backend)
         ks, vs = list(kv_cache.k), list(kv_cache.v)
@@ -203,9 +248,12 @@ class CausalLM(nnx.Module):
                                      v=(v_flat.reshape(v_all.shape),))
 
     def logits(self, hidden: jax.Array) -> jax.Array:
-        """hidden [R, D] → f32[R, V]."""
+        """hidden [R, D] → f32[R, V] (whole rows on every device of a mesh)."""
         if self.lm_head is None:
             out = jnp.einsum("rd,vd->rv", hidden, self.embed[...])
         else:
             out = hidden @ self.lm_head[...]
-        return out.astype(jnp.float32)
+        out = out.astype(jnp.float32)
+        if self.mesh is not None:  # the sampler sees full rows, as with one device
+            out = jax.lax.with_sharding_constraint(out, NamedSharding(self.mesh, P()))
+        return out

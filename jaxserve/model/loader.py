@@ -4,15 +4,19 @@ The model is first built abstractly (``nnx.eval_shape``: shapes only, no
 memory), then every parameter is filled from safetensors through a
 declarative table (``_hf_sources``): parameter path → Hugging Face tensor
 names + how to combine them. Tensors are read one at a time (memory-mapped
-by safetensors), cast to the target dtype and placed on the device, so the
-host never holds a second full copy of the weights. With ``scan_layers`` each
-stacked ``[L, ...]`` parameter is filled layer by layer into one array (a
-transient second copy of that one parameter, never of the model).
+by safetensors), combined and cast on the device — or, with a
+tensor-parallel ``mesh``, on the host (JAX's CPU device) and then placed
+straight into its sharding, each device receiving only its slice
+(``jaxserve.model.sharding``): no device ever holds a full copy of a split
+parameter, and the host holds one parameter at a time. With ``scan_layers`` each stacked ``[L, ...]`` parameter
+is filled layer by layer into one array (a transient second copy of that one
+parameter, never of the model).
 """
 
 from __future__ import annotations
 
 import json
+import dataclasses
 import logging
 import os
 import pathlib
@@ -25,6 +29,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.config import ModelConfig
+from jaxserve.model import sharding
 from jaxserve.model.graph import StaticGraph
 from jaxserve.model.llama import CausalLM
 
@@ -50,19 +55,51 @@ def _t(x: jax.Array) -> jax.Array:  # HF Linear weights are [out, in]; ours are 
     return x.T
 
 
-def _cat_t(*xs: jax.Array) -> jax.Array:
-    return jnp.concatenate([x.T for x in xs], axis=1)
-
-
-def _cat(*xs: jax.Array) -> jax.Array:
-    return jnp.concatenate(xs, axis=0)
-
-
 def _ident(x: jax.Array) -> jax.Array:
     return x
 
 
-def _hf_sources(path: tuple) -> tuple[list[str], Callable[..., jax.Array]]:
+@dataclasses.dataclass(frozen=True)
+class _FusedLayout:
+    """How the fused projections' columns are laid out for a TP group (``sharding``).
+
+    Attributes:
+      config: the checkpoint's architecture.
+      num_kv_heads: the built model's KV heads (more than the checkpoint's
+        when TP > K: replicated).
+      num_shards: TP.
+    """
+
+    config: ModelConfig
+    num_kv_heads: int
+    num_shards: int
+
+    def _fuse(self, parts: list[jax.Array], sizes: tuple[int, ...]) -> jax.Array:
+        """HF [out, in] weights (or [out] biases) → one [in, Σ out] (or [Σ out]), grouped."""
+        fused = jnp.concatenate([x.T for x in parts], axis=-1)
+        if self.num_shards == 1:
+            return fused
+        return fused[..., sharding.fused_column_order(sizes, self.num_shards)]
+
+    def _kv_heads(self, x: jax.Array) -> jax.Array:
+        """A k or v projection's [K·H, ...] rows → the built model's [K'·H, ...]."""
+        k, h = self.config.num_kv_heads, self.config.head_dim
+        if self.num_kv_heads == k:
+            return x
+        sources = sharding.kv_head_sources(self.config, self.num_kv_heads)
+        return x.reshape(k, h, *x.shape[1:])[jnp.array(sources)].reshape(-1, *x.shape[1:])
+
+    def qkv(self, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        h = self.config.head_dim
+        sizes = (self.config.num_heads * h, self.num_kv_heads * h, self.num_kv_heads * h)
+        return self._fuse([q, self._kv_heads(k), self._kv_heads(v)], sizes)
+
+    def gate_up(self, gate: jax.Array, up: jax.Array) -> jax.Array:
+        f = self.config.intermediate_size
+        return self._fuse([gate, up], (f, f))
+
+
+def _hf_sources(path: tuple, layout: _FusedLayout) -> tuple[list[str], Callable[..., jax.Array]]:
     """Hugging Face tensor names and combiner for one parameter path of CausalLM."""
     if path == ("embed",):
         return ["model.embed_tokens.weight"], _ident
@@ -75,12 +112,13 @@ def _hf_sources(path: tuple) -> tuple[list[str], Callable[..., jax.Array]]:
     table = {
         ("input_norm", "weight"): ([pre + "input_layernorm.weight"], _ident),
         ("post_attn_norm", "weight"): ([pre + "post_attention_layernorm.weight"], _ident),
-        ("attn", "qkv_proj"): ([pre + f"self_attn.{p}_proj.weight" for p in "qkv"], _cat_t),
-        ("attn", "qkv_bias"): ([pre + f"self_attn.{p}_proj.bias" for p in "qkv"], _cat),
+        ("attn", "qkv_proj"): ([pre + f"self_attn.{p}_proj.weight" for p in "qkv"], layout.qkv),
+        ("attn", "qkv_bias"): ([pre + f"self_attn.{p}_proj.bias" for p in "qkv"], layout.qkv),
         ("attn", "o_proj"): ([pre + "self_attn.o_proj.weight"], _t),
         ("attn", "q_norm", "weight"): ([pre + "self_attn.q_norm.weight"], _ident),
         ("attn", "k_norm", "weight"): ([pre + "self_attn.k_norm.weight"], _ident),
-        ("mlp", "gate_up_proj"): ([pre + f"mlp.{p}_proj.weight" for p in ("gate", "up")], _cat_t),
+        ("mlp", "gate_up_proj"): ([pre + f"mlp.{p}_proj.weight" for p in ("gate", "up")],
+                                  layout.gate_up),
         ("mlp", "down_proj"): ([pre + "mlp.down_proj.weight"], _t),
     }
     return table[tuple(rest)]
@@ -112,12 +150,20 @@ class _SafetensorsIndex:
         return self._handles[self.weight_map[name]].get_tensor(name)
 
 
-def abstract_model(config: ModelConfig, dtype: jnp.dtype, scan_layers: bool = False
-                   ) -> tuple[StaticGraph, dict]:
-    """(graph, parameters as a pure dict of ShapeDtypeStructs) of CausalLM, allocating nothing."""
+def abstract_model(config: ModelConfig, dtype: jnp.dtype, scan_layers: bool = False,
+                   mesh=None) -> tuple[StaticGraph, dict]:
+    """(graph, parameters as a pure dict of ShapeDtypeStructs) of CausalLM, allocating nothing.
+
+    With a tensor-parallel ``mesh``, ``config`` is the TP group's
+    (``sharding.tensor_parallel_config``) and every spec carries its sharding.
+    """
     graphdef, state = nnx.split(nnx.eval_shape(
-        lambda: CausalLM(config, dtype, nnx.Rngs(0), scan_layers=scan_layers)))
-    return StaticGraph(graphdef), nnx.to_pure_dict(state)
+        lambda: CausalLM(config, dtype, nnx.Rngs(0), scan_layers=scan_layers, mesh=mesh)))
+    params = nnx.to_pure_dict(state)
+    if mesh is not None:
+        params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                              params, sharding.param_shardings(params, mesh, config.vocab_size))
+    return StaticGraph(graphdef), params
 
 
 def is_scanned(params: dict) -> bool:
@@ -126,18 +172,18 @@ def is_scanned(params: dict) -> bool:
 
 
 def _read_param(index: "_SafetensorsIndex", param_path: tuple, dtype: jnp.dtype,
-                num_layers: int, scanned: bool) -> tuple[jax.Array, list[str]]:
+                layout: _FusedLayout, scanned: bool) -> tuple[jax.Array, list[str]]:
     """One parameter from the checkpoint (stacked over the layers when scanned)."""
     if scanned and param_path[0] == "layers":
-        parts = [_read_param(index, ("layers", i, *param_path[1:]), dtype, num_layers, False)
-                 for i in range(num_layers)]
+        parts = [_read_param(index, ("layers", i, *param_path[1:]), dtype, layout, False)
+                 for i in range(layout.config.num_layers)]
         return jnp.stack([v for v, _ in parts]), [n for _, names in parts for n in names]
-    names, combine = _hf_sources(param_path)
+    names, combine = _hf_sources(param_path, layout)
     return combine(*(index.get(n).astype(jnp.float32) for n in names)).astype(dtype), names
 
 
 def load_model(model_dir: str | os.PathLike | None = None, dtype: str | jnp.dtype = "float32",
-               scan_layers: bool = False) -> tuple[ModelConfig, StaticGraph, dict]:
+               scan_layers: bool = False, mesh=None) -> tuple[ModelConfig, StaticGraph, dict]:
     """Loads a Hugging Face Llama-family directory.
 
     Args:
@@ -146,15 +192,20 @@ def load_model(model_dir: str | os.PathLike | None = None, dtype: str | jnp.dtyp
       dtype: parameter dtype, "float32" (CPU default) or "bfloat16".
       scan_layers: build the scanned model (stacked layers, see
         ``jaxserve.model.llama``); its KV cache must be stacked too.
+      mesh: a tensor-parallel mesh (``sharding.make_mesh``): the model is built
+        for it and every parameter placed in its sharding; None: one device.
 
     Returns:
       (config, graph, params): ``graph.merge(params)`` is the model; ``params``
       is a pure (nested dict) pytree of arrays, cheap to flatten per call.
+      ``config`` is the model as built: with a mesh and TP > K, its
+      ``num_kv_heads`` is TP (replicated KV heads).
 
     Raises:
       NotImplementedError: unsupported architecture (lists the supported ones).
       FileNotFoundError / KeyError: missing files or tensors.
-      ValueError: a tensor whose shape does not match the config.
+      ValueError: a tensor whose shape does not match the config, or a mesh
+        the model's heads do not split over (``sharding.tensor_parallel_config``).
     """
     if model_dir is None:
         from jaxserve.demo_model import ensure_demo_model
@@ -165,24 +216,40 @@ def load_model(model_dir: str | os.PathLike | None = None, dtype: str | jnp.dtyp
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path} is not a Hugging Face model directory (no config.json)")
     dtype = resolve_dtype(dtype)
-    config = ModelConfig.from_pretrained(path)
+    checkpoint_config = ModelConfig.from_pretrained(path)
+    tp = sharding.mesh_size(mesh)
+    config = sharding.tensor_parallel_config(checkpoint_config, tp)
+    layout = _FusedLayout(checkpoint_config, config.num_kv_heads, tp)
     start = time.perf_counter()
     graphdef, state = nnx.split(nnx.eval_shape(
-        lambda: CausalLM(config, dtype, nnx.Rngs(0), scan_layers=scan_layers)))
+        lambda: CausalLM(config, dtype, nnx.Rngs(0), scan_layers=scan_layers, mesh=mesh)))
+    shardings = (None if mesh is None else
+                 sharding.param_shardings(nnx.to_pure_dict(state), mesh, config.vocab_size))
     index = _SafetensorsIndex(path)
+    # With a mesh, tensors are combined on the host (JAX's CPU device), then each
+    # device receives its slice; without, on the default device.
+    host = None if mesh is None else jax.devices("cpu")[0]
     filled = {}
     for param_path, abstract in state.flat_state():
-        value, names = _read_param(index, param_path, dtype, config.num_layers, scan_layers)
+        with jax.default_device(host):
+            value, names = _read_param(index, param_path, dtype, layout, scan_layers)
         if value.shape != abstract.shape:
             raise ValueError(
                 f"{'.'.join(map(str, param_path))} from {names}: shape {value.shape}, "
                 f"expected {abstract.shape}")
-        filled[param_path] = value
+        target = None if shardings is None else _at_path(shardings, param_path)
+        filled[param_path] = jax.device_put(value, target)
     state = nnx.from_flat_state([(p, v.replace(filled[p])) for p, v in state.flat_state()])
     params = nnx.to_pure_dict(state)
-    logger.info("loaded %s (%s, %d layers) in %.1f s", path, config.architecture,
-                config.num_layers, time.perf_counter() - start)
+    logger.info("loaded %s (%s, %d layers, TP=%d) in %.1f s", path, config.architecture,
+                config.num_layers, tp, time.perf_counter() - start)
     return config, StaticGraph(graphdef), params
+
+
+def _at_path(tree: dict, path: tuple):
+    for key in path:
+        tree = tree[key]
+    return tree
 
 
 def param_bytes(params) -> int:

@@ -162,7 +162,7 @@ class StepFunction:
 def _flat(exe: StepExecutable) -> tuple[Callable, list, Any, tuple[int, ...], list]:
     """(flat function, flat specs, input tree, flat donated indices, cell receiving the result tree)."""
     leaves, in_tree = jax.tree.flatten(exe.args)
-    specs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
+    specs = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=_mesh_sharding(x)) for x in leaves]
     donated, offset = [], 0
     for i, arg in enumerate(exe.args):
         n = len(jax.tree.leaves(arg))
@@ -178,6 +178,15 @@ def _flat(exe: StepExecutable) -> tuple[Callable, list, Any, tuple[int, ...], li
         return out_leaves
 
     return _named(flat_fn, exe.name), specs, in_tree, tuple(donated), out_tree_cell
+
+
+def _mesh_sharding(leaf):
+    """A leaf's sharding when it is placed on a device mesh (tensor parallel), else None.
+
+    Single-device leaves compile for the default device, as before meshes.
+    """
+    where = getattr(leaf, "sharding", None)
+    return where if isinstance(where, jax.sharding.NamedSharding) else None
 
 
 def _named(fn: Callable, executable_name: str) -> Callable:

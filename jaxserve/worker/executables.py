@@ -39,14 +39,6 @@ from jaxserve.worker.sampler.variants import STAGES
 _I32 = np.int32
 
 
-def _spec(shape: tuple[int, ...], dtype) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(shape, np.dtype(dtype))
-
-
-def _specs(tree):
-    return jax.tree.map(lambda x: _spec(x.shape, x.dtype), tree)
-
-
 @dataclasses.dataclass(frozen=True)
 class LadderShapes:
     """What fixes the executables' shapes.
@@ -58,6 +50,8 @@ class LadderShapes:
       rows: the worker's ``RowState`` (M, MB, V, S and the rows' dtypes).
       hidden: ``ShapeDtypeStruct`` of the body's gathered hidden states [M, D].
       backend: the attention backend.
+      placement: the sharding of everything but the model and the KV cache
+        (replicated over a tensor-parallel mesh); None: the default device.
     """
 
     graphdef: object
@@ -66,27 +60,32 @@ class LadderShapes:
     rows: RowState
     hidden: jax.ShapeDtypeStruct
     backend: str
+    placement: object = None
 
     def layout(self, num_tokens: int) -> StepLayout:
         rows = self.rows
         return StepLayout.for_bucket(num_tokens, rows.max_num_seqs, rows.block_size)
 
+    def spec(self, shape: tuple[int, ...], dtype) -> jax.ShapeDtypeStruct:
+        """An argument of the worker's own (not the model's) at ``placement``."""
+        return jax.ShapeDtypeStruct(shape, np.dtype(dtype), sharding=self.placement)
+
     @property
     def device_rows(self):
-        return _specs(host_rows(self.rows))
+        return jax.tree.map(lambda x: self.spec(x.shape, x.dtype), host_rows(self.rows))
 
     @property
     def penalty(self) -> PenaltyState:
         shape = (self.rows.max_num_seqs + 1, self.rows.vocab_size)
-        return PenaltyState(_spec(shape, np.bool_), _spec(shape, _I32))
+        return PenaltyState(self.spec(shape, np.bool_), self.spec(shape, _I32))
 
 
 def body_executable(shapes: LadderShapes, num_tokens: int, key: str = "") -> StepExecutable:
     """``run_body`` at T = ``num_tokens``; the KV cache and block table donated."""
     layout, m = shapes.layout(num_tokens), shapes.rows.max_num_seqs
     fn = functools.partial(run_body, shapes.graphdef, layout=layout, backend=shapes.backend)
-    args = (shapes.state, shapes.kv_cache, shapes.device_rows.block_table, _spec((m + 1,), _I32),
-            _spec((layout.size,), _I32))
+    args = (shapes.state, shapes.kv_cache, shapes.device_rows.block_table,
+            shapes.spec((m + 1,), _I32), shapes.spec((layout.size,), _I32))
     return StepExecutable("body", f"body[T={num_tokens}]", fn, args, donate=(1, 2), key=key)
 
 
@@ -103,11 +102,12 @@ def sampler_executable(shapes: LadderShapes, num_reqs: int, variant: SamplerVari
                        key: str = "") -> StepExecutable:
     """``run_sampler`` (LM head + sampler) at R = ``num_reqs`` in ``variant``."""
     m = shapes.rows.max_num_seqs
-    slots = SampleSlots(logits_indices=_spec((m,), _I32), rows=_spec((m,), _I32),
-                        positions=_spec((m,), _I32), server_key=_spec((2,), np.uint32))
+    slots = SampleSlots(logits_indices=shapes.spec((m,), _I32), rows=shapes.spec((m,), _I32),
+                        positions=shapes.spec((m,), _I32),
+                        server_key=shapes.spec((2,), np.uint32))
     penalty = shapes.penalty if variant.processing else PenaltyState(None, None)
     fn = functools.partial(run_sampler, shapes.graphdef, num_reqs=num_reqs, variant=variant)
-    args = (shapes.state, shapes.hidden, slots, shapes.device_rows, _spec((m + 1,), _I32),
+    args = (shapes.state, shapes.hidden, slots, shapes.device_rows, shapes.spec((m + 1,), _I32),
             penalty.prompt_mask, penalty.output_counts)
     return StepExecutable("sampler", sampler_name(num_reqs, variant), fn, args,
                           donate=(4, 6), key=key)
@@ -149,11 +149,12 @@ def ladder_executables(shapes: LadderShapes, token_buckets: tuple[int, ...],
             for r in request_buckets for variant in SAMPLER_VARIANTS]
     full = shapes.device_rows
     for r in request_buckets:
-        part = jax.tree.map(lambda x: _spec((r,) + x.shape[1:], x.dtype), full)
+        part = jax.tree.map(lambda x: shapes.spec((r,) + x.shape[1:], x.dtype), full)
         out.append(StepExecutable("rows", f"sync_rows[R={r}]", sync_rows,
-                                  (full, _spec((r,), _I32), part), donate=(0,), key=key))
+                                  (full, shapes.spec((r,), _I32), part), donate=(0,), key=key))
+    spec = shapes.spec
     out.append(StepExecutable(
         "rows", "set_penalty_row", set_penalty_row,
-        (shapes.penalty, _spec((), _I32), _spec((v,), np.bool_), _spec((v,), _I32)),
+        (shapes.penalty, spec((), _I32), spec((v,), np.bool_), spec((v,), _I32)),
         donate=(0,), key=key))
     return out

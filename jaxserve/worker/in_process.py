@@ -4,7 +4,9 @@ Implements ``jaxserve.step_plan.Worker``; the worker process
 (``jaxserve.worker.server``) serves this same class over gRPC.
 
 ``initialize(init)`` loads the model, sizes the KV cache (``kv_sizing``),
-allocates it and the persistent rows on the device (``device_state``), then
+allocates it and the persistent rows on the device (``device_state``) — with
+``tensor_parallel_size`` > 1 on a device mesh: the model and the KV cache
+split over it, everything else replicated (``jaxserve.model.sharding``) — then
 compiles every executable of the ladders (``executables`` +
 ``compile_manager``; or loads them from the persistent compilation cache)
 and arms the recompile guard.
@@ -50,6 +52,7 @@ import time
 import jax
 import numpy as np
 
+from jaxserve.model import sharding
 from jaxserve.model.attention import default_backend
 from jaxserve.model.kv_cache import (KVCache, init_kv_cache, kv_cache_bytes_per_block,
                                       kv_cache_shapes)
@@ -122,9 +125,13 @@ class PendingStep:
                                    execute_seconds=self._host_seconds + end - device_start)
 
 
-def upload(tree):
-    """An explicit host → device copy (tests count the calls: one per steady step)."""
-    return jax.device_put(tree)
+def upload(tree, placement=None):
+    """An explicit host → device copy (tests count the calls: one per steady step).
+
+    ``placement``: where the arrays go (the worker's replicated sharding on a
+    mesh); None: the default device.
+    """
+    return jax.device_put(tree, placement)
 
 
 def fetch(tree):
@@ -168,12 +175,19 @@ class InProcessWorker:
             raise ValueError(f"request_buckets {init.request_buckets} exceed max_num_seqs "
                              f"{init.max_num_seqs}")
         configure_persistent_cache(init.compilation_cache_dir)
+        self.mesh = sharding.make_mesh(init.tensor_parallel_size)
+        self.placement = sharding.replicated(self.mesh)  # rows, tokens, the step's buffer
         if self._loaded is None:
-            self._loaded = load_model(init.model, init.dtype, scan_layers=init.scan_layers)
+            self._loaded = load_model(init.model, init.dtype, scan_layers=init.scan_layers,
+                                      mesh=self.mesh)
         config, self.graphdef, self.state = self._loaded
         if is_scanned(self.state) != init.scan_layers:
             raise ValueError(f"scan_layers={init.scan_layers} but the given model was loaded "
                              f"with scan_layers={is_scanned(self.state)}")
+        loaded_tp = len(jax.tree.leaves(self.state)[0].sharding.device_set)
+        if loaded_tp != init.tensor_parallel_size:
+            raise ValueError(f"tensor_parallel_size={init.tensor_parallel_size} but the given "
+                             f"model was loaded onto {loaded_tp} device(s)")
         dtype = resolve_dtype(init.dtype)
         self.model_config, self.init = config, init
         max_len = config.max_position_embeddings
@@ -183,23 +197,25 @@ class InProcessWorker:
                              config.eos_token_ids)
         self.backend = init.attention_backend or default_backend()
         # The persistent rows first: automatic KV sizing counts them as in use.
-        self.device_rows = jax.device_put(ds.host_rows(self.rows))
-        self.last_token = jax.device_put(np.zeros(m + 1, np.int32))
+        self.device_rows = jax.device_put(ds.host_rows(self.rows), self.placement)
+        self.last_token = jax.device_put(np.zeros(m + 1, np.int32), self.placement)
         self.penalty = jax.device_put(ds.PenaltyState(
             np.zeros((m + 1, config.vocab_size), bool),
-            np.zeros((m + 1, config.vocab_size), np.int32)))
-        hidden = jax.ShapeDtypeStruct((m, config.hidden_size), dtype)
+            np.zeros((m + 1, config.vocab_size), np.int32)), self.placement)
+        hidden = jax.ShapeDtypeStruct((m, config.hidden_size), dtype, sharding=self.placement)
         shapes = lambda kv: LadderShapes(self.graphdef, self.state, kv, self.rows,  # noqa: E731
-                                         hidden, self.backend)
+                                         hidden, self.backend, self.placement)
+        devices = jax.devices()[:1] if self.mesh is None else list(self.mesh.devices.flat)
         num_blocks = num_kv_blocks(
             num_blocks=init.num_kv_blocks, kv_cache_bytes=init.kv_cache_bytes,
-            bytes_per_block=kv_cache_bytes_per_block(config, init.block_size, dtype),
-            memory=device_memory(jax.devices()[0]), utilization=init.memory_utilization,
+            bytes_per_block=kv_cache_bytes_per_block(config, init.block_size, dtype)
+            // init.tensor_parallel_size,  # one device's share: K / TP heads
+            memory=device_memory(devices), utilization=init.memory_utilization,
             activation_bytes=lambda: self._activation_bytes(shapes(self._kv_spec(2, dtype))))
         if num_blocks < 2:
             raise ValueError(f"the KV cache must have >= 2 blocks, got {num_blocks}")
         self.kv_cache = init_kv_cache(config, num_blocks, init.block_size, dtype,
-                                      stacked=init.scan_layers)
+                                      stacked=init.scan_layers, mesh=self.mesh)
         self.layouts = {t: StepLayout.for_bucket(t, m, init.block_size)
                         for t in init.token_buckets}
         self.request_buckets = tuple(sorted(init.request_buckets))
@@ -222,7 +238,7 @@ class InProcessWorker:
 
     def _kv_spec(self, num_blocks: int, dtype) -> KVCache:
         return kv_cache_shapes(self.model_config, num_blocks, self.init.block_size, dtype,
-                               stacked=self.init.scan_layers)
+                               stacked=self.init.scan_layers, mesh=self.mesh)
 
     def _activation_bytes(self, shapes: LadderShapes) -> int:
         """Peak temporaries of the largest-T body and largest-R sampler (compiled for it)."""
@@ -290,7 +306,7 @@ class InProcessWorker:
             if rows.has_penalty[new.row]:
                 self.penalty = self._call("set_penalty_row", ds.set_penalty_row, self.penalty,
                                           *upload((np.int32(new.row), meta.prompt_mask[0],
-                                                   meta.output_counts[0])))
+                                                   meta.output_counts[0]), self.placement))
         append_rows, append_blocks = plan.append_rows, plan.append_block_ids
         append_index = rows.append_blocks(append_rows, append_blocks)
         if len(append_rows) > layout.num_appends:  # rare: resend those rows' whole tables
@@ -303,7 +319,7 @@ class InProcessWorker:
             layout, seed=self.init.seed, step_id=plan.step_id, input_ids=input_ids,
             rows=plan.rows, num_computed=plan.num_computed, num_tokens=plan.num_tokens,
             sample=plan.sample, append_rows=append_rows, append_index=append_index,
-            append_blocks=append_blocks))
+            append_blocks=append_blocks), self.placement)
         dispatched = time.perf_counter()
         self.kv_cache, block_table, hidden, slots = self._call(
             f"body[T={layout.num_tokens}]", functools.partial(
@@ -341,7 +357,7 @@ class InProcessWorker:
             index[:len(part)] = part
             values = ds.host_rows(self.rows, np.minimum(index, m))
             self.device_rows = self._call(f"sync_rows[R={r}]", ds.sync_rows, self.device_rows,
-                                          *upload((index, values)))
+                                          *upload((index, values), self.placement))
 
     def _call(self, name: str, jitted, *args):
         """Runs ladder executable ``name``: the ``StepFunction`` compiled at start-up, or —

@@ -35,12 +35,19 @@ class DeviceMemory:
     bytes_in_use: int
 
 
-def device_memory(device) -> DeviceMemory | None:
-    """``device.memory_stats()`` as a ``DeviceMemory``; None where not reported (CPU)."""
-    stats = device.memory_stats()
-    if not stats or "bytes_limit" not in stats:
-        return None
-    return DeviceMemory(int(stats["bytes_limit"]), int(stats.get("bytes_in_use", 0)))
+def device_memory(devices) -> DeviceMemory | None:
+    """The tightest of ``devices``' ``memory_stats()``; None where not reported (CPU).
+
+    Every device of a tensor-parallel mesh holds the same share of the KV
+    cache, so the device with the least free memory sizes it.
+    """
+    found = []
+    for device in devices:
+        stats = device.memory_stats()
+        if not stats or "bytes_limit" not in stats:
+            return None
+        found.append(DeviceMemory(int(stats["bytes_limit"]), int(stats.get("bytes_in_use", 0))))
+    return min(found, key=lambda m: m.bytes_limit - m.bytes_in_use)
 
 
 def peak_activation_bytes(compiled: Sequence) -> int:

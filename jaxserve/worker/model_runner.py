@@ -30,6 +30,7 @@ import jax.numpy as jnp
 
 from jaxserve.model.graph import StaticGraph
 from jaxserve.model.kv_cache import KVCache
+from jaxserve.model.sharding import on_every_device
 from jaxserve.sampling_params import MAX_LOGPROBS
 from jaxserve.worker.device_inputs import SampleSlots, apply_appends, step_inputs
 from jaxserve.worker.device_state import DeviceRows
@@ -120,7 +121,9 @@ def run_sampler(graphdef: StaticGraph, state: dict, hidden: jax.Array, slots: Sa
         prompt_mask=mask, output_counts=counts, max_num_logprobs=MAX_LOGPROBS,
         **{f: device_rows.params[f][rows] for f in PARAM_FIELDS})
     with jax.named_scope("sampler"):  # scope name: benchmarks/step_profile.py
-        out = sample(logits, metadata, slots.server_key, variant=variant)
+        # With tensor parallelism every device draws the same tokens from full rows.
+        out = on_every_device(functools.partial(sample, variant=variant), model.mesh)(
+            logits, metadata, slots.server_key)
     last_token = last_token.at[rows].set(out.token_ids)
     if output_counts is not None:
         output_counts = output_counts.at[rows, out.token_ids].add(1)

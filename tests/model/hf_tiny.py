@@ -27,10 +27,14 @@ ARCHS = {
 }
 
 
-def make_tiny_model(arch: str, directory: pathlib.Path, seed: int = 0) -> transformers.PreTrainedModel:
-    """Saves a random-weight model of ``arch`` to ``directory`` (safetensors) and returns it."""
+def make_tiny_model(arch: str, directory: pathlib.Path, seed: int = 0,
+                    **overrides) -> transformers.PreTrainedModel:
+    """Saves a random-weight model of ``arch`` to ``directory`` (safetensors) and returns it.
+
+    ``overrides``: config fields replacing ``TINY``'s and the architecture's.
+    """
     config_cls, extra = ARCHS[arch]
-    config = config_cls(**TINY, **extra)
+    config = config_cls(**{**TINY, **extra, **overrides})
     config.architectures = [arch]
     torch.manual_seed(seed)
     model = getattr(transformers, arch)(config).to(torch.float32).eval()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -38,18 +39,20 @@ class PagedRunner:
       rows: M, the persistent rows (most sequences).
       backend: attention backend.
       seed: for the block shuffle; unused blocks are poisoned with NaN.
+      mesh: the tensor-parallel mesh the model was loaded for (None: one device).
     """
 
     def __init__(self, config, graphdef, state, *, block_size=16, num_blocks=64, max_blocks=16,
-                 rows=4, backend="reference", seed=0, cache_dtype=jnp.float32):
+                 rows=4, backend="reference", seed=0, cache_dtype=jnp.float32, mesh=None):
         self.config, self.graphdef, self.state = config, graphdef, state
         self.block_size, self.max_blocks, self.rows, self.backend = block_size, max_blocks, rows, backend
         rng = np.random.default_rng(seed)
         self.free = [int(b) for b in rng.permutation(np.arange(1, num_blocks))]
-        cache = init_kv_cache(config, num_blocks, block_size, cache_dtype, stacked=is_scanned(state))
+        cache = init_kv_cache(config, num_blocks, block_size, cache_dtype,
+                              stacked=is_scanned(state), mesh=mesh)
         # Poison every slot: anything read before it is written shows up as NaN.
-        self.kv_cache = type(cache)(k=tuple(jnp.full_like(k, jnp.nan) for k in cache.k),
-                                    v=tuple(jnp.full_like(v, jnp.nan) for v in cache.v))
+        self.kv_cache = jax.tree.map(
+            lambda x: jax.device_put(jnp.full_like(x, jnp.nan), x.sharding), cache)
         self.block_table = jnp.full((rows + 1, max_blocks), NULL_BLOCK, jnp.int32)
         self.last_token = jnp.zeros(rows + 1, jnp.int32)
         self.seqs: dict[str, _Seq] = {}

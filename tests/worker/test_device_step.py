@@ -5,7 +5,8 @@ safetensors) decodes through ``EngineCore`` + ``InProcessWorker``:
 
 - under ``jax.transfer_guard("disallow")`` every transfer of 50 steady
   decode steps is an explicit one, and they number one upload (the packed
-  step buffer) and one download (the sampled tokens) per step;
+  step buffer) and one download (the sampled tokens) per step — on one
+  device and tensor parallel over two (simulated CPU devices);
 - with a deliberately slow device step, step N + 1 is dispatched before
   step N's tokens are read, and without waiting for step N to finish;
 - the upload's bytes grow with R, not with the context length nor with
@@ -24,6 +25,7 @@ import pytest
 from jaxserve.engine import CacheConfig, EngineConfig, EngineCore, EngineCoreRequest, SchedulerConfig
 from jaxserve.engine.config import CompileConfig
 from jaxserve.model.loader import load_model
+from jaxserve.model.sharding import make_mesh
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.step_plan import NewRow, StepPlan
 from jaxserve.worker import InProcessWorker
@@ -33,16 +35,28 @@ from tests.model.hf_tiny import make_tiny_model
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def tiny_dir(tmp_path_factory):
     directory = tmp_path_factory.mktemp("tiny_llama")
     make_tiny_model("LlamaForCausalLM", directory, seed=3)
-    return load_model(directory, "float32")
+    return directory
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir):
+    return load_model(tiny_dir, "float32")
+
+
+@pytest.fixture(scope="module")
+def tiny_tp2(tiny_dir):
+    return load_model(tiny_dir, "float32", mesh=make_mesh(2))
 
 
 def _engine(loaded, *, max_num_seqs=8, max_model_len=256, async_scheduling=True,
-            precompile=True, request_buckets=(1, 2, 4, 8), token_buckets=(8, 16, 64)):
+            precompile=True, request_buckets=(1, 2, 4, 8), token_buckets=(8, 16, 64),
+            tensor_parallel_size=1):
     config = EngineConfig(
         max_model_len=max_model_len, seed=1, async_scheduling=async_scheduling,
+        tensor_parallel_size=tensor_parallel_size,
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=64,
                                   token_buckets=token_buckets, request_buckets=request_buckets),
         cache=CacheConfig(block_size=4, num_kv_blocks=max_num_seqs * max_model_len // 4 + 1),
@@ -71,10 +85,10 @@ class _Transfers:
         self.uploads, self.downloads, self.upload_bytes = 0, 0, []
         real_upload, real_fetch = in_process.upload, in_process.fetch
 
-        def upload(tree):
+        def upload(tree, placement=None):
             self.uploads += 1
             self.upload_bytes.append(sum(np.asarray(x).nbytes for x in jax.tree.leaves(tree)))
-            return real_upload(tree)
+            return real_upload(tree, placement)
 
         def fetch(tree):
             self.downloads += 1
@@ -89,8 +103,11 @@ class _Transfers:
     SamplingParams(max_tokens=200, ignore_eos=True, temperature=0.8, top_p=0.9, seed=4,
                    repetition_penalty=1.2),
 ], ids=["greedy", "penalized"])
-def test_steady_decode_makes_one_upload_and_one_download_per_step(tiny, monkeypatch, sampling):
-    engine = _engine(tiny)
+@pytest.mark.parametrize("tp", [1, 2], ids=["one-device", "tp2"])
+def test_steady_decode_makes_one_upload_and_one_download_per_step(request, monkeypatch,
+                                                                  sampling, tp):
+    loaded = request.getfixturevalue("tiny" if tp == 1 else "tiny_tp2")
+    engine = _engine(loaded, tensor_parallel_size=tp)
     _start(engine, 6, sampling=sampling)
     transfers = _Transfers(monkeypatch)
     steps, tokens = 50, 0
@@ -107,7 +124,7 @@ def test_an_implicit_transfer_in_the_step_is_caught(tiny, monkeypatch):
     """The guard is live: a NumPy array handed to the step is refused."""
     engine = _engine(tiny)
     _start(engine, 2)
-    monkeypatch.setattr(in_process, "upload", lambda tree: tree)  # no explicit copy
+    monkeypatch.setattr(in_process, "upload", lambda tree, placement=None: tree)  # no copy
     with jax.transfer_guard("disallow"), pytest.raises(Exception, match="[Dd]isallowed"):
         engine.step()
 

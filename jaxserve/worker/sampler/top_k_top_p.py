@@ -68,9 +68,14 @@ def filter_threshold(logits: jax.Array, temperature: jax.Array, top_k: jax.Array
     vocab = logits.shape[1]
     kc = min(num_candidates, vocab)
     t = temperature[:, None]  # [R, 1]
-    # The barrier keeps XLA from folding the consumers' slices into top_k's
+    # The barriers keep XLA from folding the consumers' slices into top_k's
     # sort, which would stop the CPU backend from using its partial-sort TopK.
-    cand_l, cand_ids = lax.optimization_barrier(lax.top_k(logits, kc))  # [R, KC] f32, i32
+    # One per output: a barrier over top_k's whole tuple crashes XLA's
+    # TopkDecomposer (CPU, compiling for several devices), which expects
+    # every user of a TopK to take one element.
+    cand_l, cand_ids = lax.top_k(logits, kc)
+    cand_l, cand_ids = lax.optimization_barrier(cand_l), lax.optimization_barrier(cand_ids)
+    # ^ [R, KC] f32, i32
     cand_z = cand_l / t  # [R, KC]; bitwise equal to (logits / t) at cand_ids
     zmax, zlast = cand_z[:, 0], cand_z[:, kc - 1]  # [R]
     z = logits / t  # [R, V]

@@ -1,0 +1,177 @@
+"""Tensor parallelism: the device mesh, and how every parameter and the KV cache are split.
+
+One worker drives ``tensor_parallel_size`` (TP) devices through a 1-D
+``jax.sharding.Mesh`` whose one axis is ``TP_AXIS``. The split is Megatron-LM's
+(Shoeybi et al., 2019, section 3), as vLLM does it:
+
+- column-parallel ``qkv_proj`` ``[D, (N + 2K)·H]`` and ``gate_up_proj``
+  ``[D, 2F]``: device i holds whole query heads ``i·N/TP ..``, their KV heads
+  and the i-th slice of the MLP's F columns. The loader stores the fused
+  columns **grouped by device** (``fused_column_order``): group i is
+  ``[q heads of i | k heads of i | v heads of i]``, or ``[gate_i | up_i]``, so a
+  plain split of the last axis into TP equal parts gives every device whole
+  heads. With TP = 1 the layout is the usual ``[q | k | v]`` and ``[gate | up]``.
+- row-parallel ``o_proj`` ``[N·H, D]`` and ``down_proj`` ``[F, D]``: split on
+  their input axis; XLA inserts one all-reduce after each (two per layer).
+- the embedding ``[V, D]`` and the LM head ``[D, V]`` are split over the
+  vocabulary when TP divides V (else replicated); the logits are gathered to
+  full rows before the sampler, so sampling is exactly TP = 1's.
+- norms are replicated; the KV cache ``[B, K, S, H]`` is split over its KV
+  heads, and attention runs per device under ``jax.shard_map``.
+
+KV heads: with K ≥ TP each device holds K / TP of them (TP must divide K).
+With TP > K (TP a multiple of K) each KV head is **replicated** on TP / K
+devices: the model is built with ``num_kv_heads = TP`` (``tensor_parallel_config``)
+and KV head j of that model is the checkpoint's head ``j·K // TP`` — the same
+grouped-query attention, each device holding the one KV head its query heads
+read. Shapes that fit neither way are refused at start-up (``ValueError``).
+
+Everything else the worker keeps (rows, last tokens, the packed step buffer)
+is replicated on every device of the mesh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxserve.config import ModelConfig
+
+TP_AXIS = "tp"
+
+# Parameter name → the axis (counted from the end) split over the mesh.
+_COLUMN = ("qkv_proj", "qkv_bias", "gate_up_proj")  # output features: the last axis
+_ROW = ("o_proj", "down_proj")  # input features: the second-to-last axis
+
+
+def make_mesh(tensor_parallel_size: int, devices=None) -> Mesh | None:
+    """The 1-D tensor-parallel mesh over the first TP devices; None for TP = 1.
+
+    Args:
+      tensor_parallel_size: TP >= 1.
+      devices: the devices to choose from (default ``jax.devices()``, every
+        process's devices in a multi-process job).
+
+    Raises:
+      ValueError: TP < 1, or fewer than TP devices.
+    """
+    if tensor_parallel_size < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
+    if tensor_parallel_size == 1:
+        return None
+    devices = list(jax.devices() if devices is None else devices)
+    if len(devices) < tensor_parallel_size:
+        raise ValueError(
+            f"tensor_parallel_size={tensor_parallel_size} needs {tensor_parallel_size} devices, "
+            f"but only {len(devices)} are visible ({devices[0].platform}); on a CPU, "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count=N simulates N devices")
+    return Mesh(np.array(devices[:tensor_parallel_size]), (TP_AXIS,))
+
+
+def mesh_size(mesh: Mesh | None) -> int:
+    """TP: the number of devices of the mesh (1 for None)."""
+    return 1 if mesh is None else mesh.shape[TP_AXIS]
+
+
+def tensor_parallel_config(config: ModelConfig, tensor_parallel_size: int) -> ModelConfig:
+    """The architecture as one TP group builds it: KV heads replicated when TP > K.
+
+    Returns ``config`` itself when K >= TP; otherwise a copy with
+    ``num_kv_heads = TP`` (see the module docstring).
+
+    Raises:
+      ValueError: TP does not divide the query heads N or the MLP width F, or
+        TP and K divide neither way (the message names the numbers).
+    """
+    tp = tensor_parallel_size
+    n, k, f = config.num_heads, config.num_kv_heads, config.intermediate_size
+    what = f"tensor_parallel_size={tp} does not fit {config.architecture}"
+    if n % tp:
+        raise ValueError(f"{what}: its {n} query heads do not split evenly over {tp} devices "
+                         f"(choose a divisor of {n})")
+    if f % tp:
+        raise ValueError(f"{what}: its MLP width {f} does not split evenly over {tp} devices")
+    if k % tp == 0:
+        return config
+    if tp % k:
+        raise ValueError(f"{what}: its {k} KV heads neither split evenly over {tp} devices nor "
+                         f"replicate evenly onto them (choose a divisor or a multiple of {k})")
+    return dataclasses.replace(config, num_kv_heads=tp)
+
+
+def kv_head_sources(config: ModelConfig, num_kv_heads: int) -> list[int]:
+    """For each of the built model's ``num_kv_heads`` KV heads, the checkpoint's KV head."""
+    return [j * config.num_kv_heads // num_kv_heads for j in range(num_kv_heads)]
+
+
+def fused_column_order(sizes: tuple[int, ...], num_shards: int) -> np.ndarray:
+    """Column permutation that groups fused projection parts by device.
+
+    Args:
+      sizes: the widths of the concatenated parts, e.g. ``(N·H, K·H, K·H)``
+        for q, k, v or ``(F, F)`` for gate, up; each divisible by ``num_shards``.
+      num_shards: TP.
+
+    Returns:
+      i64[sum(sizes)]: ``fused[:, order]`` is ``[part 0 of device 0 | part 1 of
+      device 0 | ... | part 0 of device 1 | ...]``; the identity for TP = 1.
+    """
+    starts = np.cumsum((0,) + sizes[:-1])
+    return np.concatenate([
+        np.arange(start + i * (size // num_shards), start + (i + 1) * (size // num_shards))
+        for i in range(num_shards) for start, size in zip(starts, sizes)])
+
+
+def param_partition_spec(path: tuple, ndim: int, vocab_size: int, num_shards: int) -> P:
+    """How one parameter is split (``path``: its key path in the pure-dict params).
+
+    Scanned models' layer parameters have a leading ``[L]`` axis, which is never
+    split: the split axis is counted from the end.
+    """
+    name = str(path[-1]) if path[-1] != "weight" else str(path[-2])
+    axis = None
+    if name in _COLUMN:
+        axis = ndim - 1
+    elif name in _ROW:
+        axis = ndim - 2
+    elif name in ("embed", "lm_head") and vocab_size % num_shards == 0:
+        axis = 0 if name == "embed" else 1
+    if axis is None:
+        return P()
+    return P(*[TP_AXIS if a == axis else None for a in range(ndim)])
+
+
+def param_shardings(params, mesh: Mesh, vocab_size: int):
+    """A ``NamedSharding`` for every leaf of the pure-dict ``params`` (arrays or specs)."""
+    tp = mesh_size(mesh)
+
+    def one(path, leaf):
+        keys = tuple(getattr(p, "key", getattr(p, "idx", p)) for p in path)
+        return NamedSharding(mesh, param_partition_spec(keys, len(leaf.shape), vocab_size, tp))
+
+    return jax.tree_util.tree_map_with_path(one, params)
+
+
+def kv_cache_partition_spec(ndim: int) -> P:
+    """A KV cache array ``[B, K, S, H]`` (or stacked ``[L, B, K, S, H]``) split on K."""
+    return P(*([None] * (ndim - 3)), TP_AXIS, None, None)
+
+
+def on_every_device(fn, mesh: Mesh | None):
+    """``fn`` run whole on every device of the mesh, on replicated inputs and outputs.
+
+    For computations every device repeats identically (the sampler on full
+    logits rows): ``jax.shard_map`` with replicated specs keeps XLA's SPMD
+    partitioner out of them. ``fn`` itself without a mesh.
+    """
+    if mesh is None:
+        return fn
+    return jax.shard_map(fn, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)
+
+
+def replicated(mesh: Mesh | None) -> NamedSharding | None:
+    """Every device of the mesh holds the whole array; None (the default device) without one."""
+    return None if mesh is None else NamedSharding(mesh, P())
