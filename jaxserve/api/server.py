@@ -388,8 +388,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="TLS certificate (PEM) for gRPC and HTTP; needs --ssl-keyfile")
     parser.add_argument("--ssl-keyfile", default=None, help="TLS private key (PEM)")
     parser.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS,
-                        help="sequences that may wait beyond max_num_seqs before new requests "
-                             "get RESOURCE_EXHAUSTED")
+                        help="sequences that may wait beyond max_num_seqs (times the "
+                             "replicas) before new requests get RESOURCE_EXHAUSTED")
     parser.add_argument("--engine-timeout", type=float, default=None,
                         help="seconds to wait for the engine at start-up (default: no limit)")
     parser.add_argument("--shutdown-grace", type=float, default=30.0,
