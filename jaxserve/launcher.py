@@ -166,10 +166,11 @@ class Launcher:
         api_cmd = [sys.executable, "-m", "jaxserve.api.server"]
         for engine_address in self.engine_addresses:
             api_cmd += ["--engine-address", engine_address]
-        api_cmd += ["--model", model, "--host", opts.host, "--port", str(opts.port), "--metrics-port", str(opts.metrics_port),
-                   "--max-waiting-requests", str(opts.max_waiting_requests),
-                   "--shutdown-grace", str(opts.shutdown_grace),
-                   "--generation-config", opts.generation_config, "--log-level", opts.log_level]
+        api_cmd += ["--model", model, "--host", opts.host, "--port", str(opts.port),
+                    "--metrics-port", str(opts.metrics_port),
+                    "--max-waiting-requests", str(opts.max_waiting_requests),
+                    "--shutdown-grace", str(opts.shutdown_grace),
+                    "--generation-config", opts.generation_config, "--log-level", opts.log_level]
         if opts.http_port:
             api_cmd += ["--http-port", str(opts.http_port)]
         if opts.served_model_name or opts.model is None:
