@@ -1,4 +1,4 @@
-"""Starts and supervises jaxserve's three processes: worker, engine, api (jax-free).
+"""Starts and supervises jaxserve's processes: api, and engine + worker per replica (jax-free).
 
     with Launcher(ServeOptions(port=50051)) as server:   # start() ... shutdown()
         server.wait_ready()
@@ -12,18 +12,26 @@ the launcher picks, logging to the launcher's stderr):
              └─ engine  python -m jaxserve.engine.service --address 127.0.0.1:E \
                             --worker-address 127.0.0.1:W
 
+With ``data_parallel_size`` D > 1 there are D independent engine + worker
+pairs (data-parallel replicas), named ``engine-0``, ``worker-0``, ...,
+``engine-<D-1>``, ``worker-<D-1>`` (plain ``engine`` and ``worker`` when D is
+1), and the api gets one ``--engine-address`` per replica, replica 0 first;
+it routes each request to one of them (``jaxserve.api.engine_group``) and
+reports SERVING once every replica is ready.
+
 The worker binds a free port and announces it on stdout; the engine gets
 that address and its process id. The engine's port is picked by the
-launcher (``free_port``). The engine supervises the worker: when it dies or
+launcher (``free_port``). The engine supervises its worker: when it dies or
 hangs, the engine starts a replacement as its own child (in the same process
-group), so the launcher does not stop on the worker's exit, only on the api's
-or the engine's (``jaxserve.engine.service``).
+group), so the launcher does not stop on a worker's exit, only on the api's
+or an engine's (``jaxserve.engine.service``).
 
 No orphans: the children share one new process group (so a terminal's Ctrl-C
 reaches only the launcher, which then stops them in order), and each asks the
 kernel for SIGTERM when the launcher dies (``PR_SET_PDEATHSIG``), even by
 SIGKILL. ``shutdown`` sends SIGTERM to api, engine, worker in that order,
-waits for each, and SIGKILLs whatever is left of the group.
+waits for each, and SIGKILLs whatever is left of the group (the engines of all
+replicas together, then their workers).
 
 The model is resolved first (the demo model is built on first use), so the
 children get a local directory. JAX's persistent compilation cache defaults
@@ -80,6 +88,11 @@ class ServeOptions:
     log_level: str = "INFO"
     in_process_worker: bool = False  # run the model inside the engine process (development)
     generation_config: str = "auto"  # default sampling: auto / vllm / a directory (api process)
+    data_parallel_size: int = 1  # engine + worker replicas behind the one api process
+
+    def __post_init__(self) -> None:
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
 
 
 def _env() -> dict[str, str]:
@@ -98,15 +111,19 @@ class Launcher:
 
     Attributes:
       address: ``host:port`` clients connect to (the api process).
-      processes: name -> ``Popen``, in start order.
+      processes: name -> ``Popen``, in start order (``replica_name`` names a
+        replica's engine and worker).
+      engine_addresses: each replica's engine ``host:port``, replica 0 first.
+      worker_addresses: each replica's first worker ``host:port`` (empty with
+        ``in_process_worker``).
     """
 
     def __init__(self, options: ServeOptions) -> None:
         self.options = options
         self.address = f"{_connect_host(options.host)}:{options.port}"
         self.processes: dict[str, subprocess.Popen] = {}
-        self.engine_address: str | None = None
-        self.worker_address: str | None = None
+        self.engine_addresses: list[str] = []
+        self.worker_addresses: list[str] = []
         self._pgid: int | None = None
         self._api_ready = threading.Event()
 
@@ -138,19 +155,22 @@ class Launcher:
         env = _env()
         # The engine and worker outlive a group-wide SIGTERM for the api's drain.
         env[SHUTDOWN_GRACE_ENV] = str(opts.shutdown_grace + _STOP_TIMEOUT_S)
-        worker = None
-        if not opts.in_process_worker:
-            worker = self._spawn("worker", [
+        size = opts.data_parallel_size
+        workers = []
+        if not opts.in_process_worker:  # all replicas load and compile at once
+            workers = [self._spawn(self.replica_name("worker", r), [
                 sys.executable, "-m", "jaxserve.worker.server", "--address", "127.0.0.1:0",
                 "--exit-with-parent", "--log-level", opts.log_level], env,
-                stdout=subprocess.PIPE)
-        engine_address = self.engine_address = f"127.0.0.1:{free_port()}"
-        api_cmd = [sys.executable, "-m", "jaxserve.api.server", "--engine-address",
-                   engine_address, "--model", model, "--host", opts.host, "--port",
-                   str(opts.port), "--metrics-port", str(opts.metrics_port),
-                   "--max-waiting-requests", str(opts.max_waiting_requests),
-                   "--shutdown-grace", str(opts.shutdown_grace),
-                   "--generation-config", opts.generation_config, "--log-level", opts.log_level]
+                stdout=subprocess.PIPE) for r in range(size)]
+        self.engine_addresses = [f"127.0.0.1:{port}" for port in _distinct_free_ports(size)]
+        api_cmd = [sys.executable, "-m", "jaxserve.api.server"]
+        for engine_address in self.engine_addresses:
+            api_cmd += ["--engine-address", engine_address]
+        api_cmd += ["--model", model, "--host", opts.host, "--port", str(opts.port),
+                    "--metrics-port", str(opts.metrics_port),
+                    "--max-waiting-requests", str(opts.max_waiting_requests),
+                    "--shutdown-grace", str(opts.shutdown_grace),
+                    "--generation-config", opts.generation_config, "--log-level", opts.log_level]
         if opts.http_port:
             api_cmd += ["--http-port", str(opts.http_port)]
         if opts.served_model_name or opts.model is None:
@@ -164,16 +184,21 @@ class Launcher:
         api = self._spawn("api", api_cmd, api_env, stdout=subprocess.PIPE)
         threading.Thread(target=_watch_ready, args=(api.stdout, self._api_ready),
                          daemon=True).start()
-        engine_cmd = [sys.executable, "-m", "jaxserve.engine.service", "--address",
-                      engine_address, "--model", model, "--log-level", opts.log_level,
-                      *opts.engine_flags]
-        if worker is None:
-            engine_cmd.append("--in-process-worker")
-        else:
-            self.worker_address = _read_announcement(worker)
-            engine_cmd += ["--worker-address", self.worker_address, "--worker-pid",
-                           str(worker.pid)]
-        self._spawn("engine", engine_cmd, env)
+        for r, engine_address in enumerate(self.engine_addresses):
+            engine_cmd = [sys.executable, "-m", "jaxserve.engine.service", "--address",
+                          engine_address, "--model", model, "--log-level", opts.log_level,
+                          *opts.engine_flags]
+            if not workers:
+                engine_cmd.append("--in-process-worker")
+            else:
+                self.worker_addresses.append(_read_announcement(workers[r]))
+                engine_cmd += ["--worker-address", self.worker_addresses[r], "--worker-pid",
+                               str(workers[r].pid)]
+            self._spawn(self.replica_name("engine", r), engine_cmd, env)
+
+    def replica_name(self, kind: str, replica: int) -> str:
+        """The ``processes`` key of replica ``replica``'s ``kind`` ("engine" or "worker")."""
+        return kind if self.options.data_parallel_size == 1 else f"{kind}-{replica}"
 
     def _spawn(self, name: str, cmd: list[str], env: dict[str, str],
                stdout: int | None = None) -> subprocess.Popen:
@@ -217,13 +242,14 @@ class Launcher:
         return time.monotonic() - start
 
     def wait(self, stop_event: threading.Event | None = None, poll_s: float = 0.5) -> int:
-        """Blocks until ``stop_event`` is set (0) or the api or engine exits (1, logged).
+        """Blocks until ``stop_event`` is set (0) or the api or an engine exits (1, logged).
 
-        The worker's exit is the engine's to handle (it starts a new worker,
+        A worker's exit is its engine's to handle (it starts a new worker,
         or exits itself when no restart is left).
         """
         while True:
-            gone = [(name, code) for name, code in self.exited() if name != "worker"]
+            gone = [(name, code) for name, code in self.exited()
+                    if _kind(name) != "worker"]
             if gone:
                 logger.error("server process exited: %s; stopping the others", gone)
                 return 1
@@ -234,32 +260,34 @@ class Launcher:
 
     # ------------------------------------------------------------- shutdown
     def shutdown(self, abort: threading.Event | None = None) -> None:
-        """Stops api, engine, worker in that order (SIGTERM, then SIGKILL after a timeout).
+        """Stops the api, the engines, the workers in that order (SIGTERM, then SIGKILL
+        after a timeout); the replicas' engines (then workers) stop together.
 
         The api first drains: running requests get up to ``shutdown_grace``
         seconds to finish. Setting ``abort`` meanwhile (a second Ctrl-C) sends
         the api SIGINT, which ends them at once (a repeated SIGTERM would not).
         """
-        for name in ("api", "engine", "worker"):
-            proc = self.processes.get(name)
-            if proc is None or proc.poll() is not None:
-                continue
-            proc.send_signal(signal.SIGTERM)
-            limit = _STOP_TIMEOUT_S + (self.options.shutdown_grace if name == "api" else 0.0)
+        for kind in ("api", "engine", "worker"):
+            procs = [(name, proc) for name, proc in self.processes.items()
+                     if _kind(name) == kind and proc.poll() is None]
+            for _, proc in procs:
+                proc.send_signal(signal.SIGTERM)
+            limit = _STOP_TIMEOUT_S + (self.options.shutdown_grace if kind == "api" else 0.0)
             deadline = time.monotonic() + limit
-            forwarded = False
-            while proc.poll() is None and time.monotonic() < deadline:
-                if abort is not None and abort.is_set() and not forwarded:
-                    proc.send_signal(signal.SIGINT)
-                    forwarded = True
-                try:
-                    proc.wait(0.2)
-                except subprocess.TimeoutExpired:
-                    pass
-            if proc.poll() is None:
-                logger.warning("%s did not stop within %.0f s; killing it", name, limit)
-                proc.kill()
-                proc.wait()
+            for name, proc in procs:
+                forwarded = False
+                while proc.poll() is None and time.monotonic() < deadline:
+                    if abort is not None and abort.is_set() and not forwarded:
+                        proc.send_signal(signal.SIGINT)
+                        forwarded = True
+                    try:
+                        proc.wait(0.2)
+                    except subprocess.TimeoutExpired:
+                        pass
+                if proc.poll() is None:
+                    logger.warning("%s did not stop within %.0f s; killing it", name, limit)
+                    proc.kill()
+                    proc.wait()
         if self._pgid is not None:
             try:
                 os.killpg(self._pgid, signal.SIGKILL)  # anything the children left behind
@@ -267,6 +295,21 @@ class Launcher:
                 pass
         if self.processes:
             logger.info("server stopped")
+
+
+def _kind(name: str) -> str:
+    """"api", "engine" or "worker" for a ``processes`` key ("engine-1" -> "engine")."""
+    return name.split("-", 1)[0]
+
+
+def _distinct_free_ports(count: int) -> list[int]:
+    """``count`` different free loopback ports (``free_port`` may repeat one it released)."""
+    ports: list[int] = []
+    while len(ports) < count:
+        port = free_port()
+        if port not in ports:
+            ports.append(port)
+    return ports
 
 
 def _read_announcement(proc: subprocess.Popen, timeout: float = _ANNOUNCE_TIMEOUT_S) -> str:

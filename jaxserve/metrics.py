@@ -1,15 +1,21 @@
 """Prometheus metrics of the api process (prometheus-client; jax-free).
 
 Served over HTTP (``/metrics``) on ``--metrics-port``. Names follow vLLM's
-where one exists (``vllm:`` becomes ``jaxserve_``):
+where one exists (``vllm:`` becomes ``jaxserve_``). The metrics read from the
+engines (†) and the routing metrics carry a ``replica`` label, the
+data-parallel replica's index (``replica="0"`` in a plain server); a total is
+their sum (``sum(jaxserve_num_requests_running)``; for the KV cache usage,
+weigh each replica by its blocks, which are equal when the replicas are):
 
 | metric | type | meaning |
 |---|---|---|
-| ``jaxserve_num_requests_waiting`` | gauge | sequences waiting in the engine |
-| ``jaxserve_num_requests_running`` | gauge | sequences running in the engine |
-| ``jaxserve_num_sequences_in_flight`` | gauge | sequences admitted by the api and not finished (the bound is ``max_num_seqs + max_waiting_requests``) |
-| ``jaxserve_kv_cache_usage_perc`` | gauge | KV blocks held by running sequences / all blocks (0..1) |
-| ``jaxserve_prefix_cache_hit_rate`` | gauge | prompt tokens found in the prefix cache / looked up, since start (0..1) |
+| ``jaxserve_num_requests_waiting`` † | gauge | sequences waiting in the engine |
+| ``jaxserve_num_requests_running`` † | gauge | sequences running in the engine |
+| ``jaxserve_num_sequences_in_flight`` | gauge | sequences admitted by the api and not finished (the bound is ``data_parallel_size * max_num_seqs + max_waiting_requests``) |
+| ``jaxserve_kv_cache_usage_perc`` † | gauge | KV blocks held by running sequences / all blocks (0..1) |
+| ``jaxserve_prefix_cache_hit_rate`` † | gauge | prompt tokens found in the prefix cache / looked up, since start (0..1) |
+| ``jaxserve_replica_requests_in_flight`` | gauge | requests the api has in flight on the replica (what routing balances) |
+| ``jaxserve_replica_requests_total`` | counter | requests the api routed to the replica |
 | ``jaxserve_time_to_first_token_seconds`` | histogram | arrival at the api -> first generated token |
 | ``jaxserve_time_per_output_token_seconds`` | histogram | per completion: (finish - first token) / (tokens - 1) |
 | ``jaxserve_e2e_request_latency_seconds`` | histogram | arrival -> last completion finished |
@@ -17,15 +23,17 @@ where one exists (``vllm:`` becomes ``jaxserve_``):
 | ``jaxserve_prompt_tokens_total`` | counter | prompt tokens of admitted requests |
 | ``jaxserve_request_success_total`` | counter | finished completions, by ``finished_reason`` |
 | ``jaxserve_requests_rejected_total`` | counter | requests refused, by gRPC ``code`` |
-| ``jaxserve_worker_restarts_total`` | counter | worker processes the engine started to replace a dead or hung one |
+| ``jaxserve_recompiles_after_warmup_total`` † | counter | worker compiles after start-up warm-up (0 when healthy) |
+| ``jaxserve_worker_restarts_total`` † | counter | worker processes the engine started to replace a dead or hung one |
 
-The gauges read the engine's latest ``EngineStats`` (refreshed by the api
-process about once a second) when Prometheus scrapes.
+The † metrics read each engine's latest ``EngineStats`` (refreshed by the api
+process about once a second) when Prometheus scrapes; a replica has none
+before its first snapshot.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -40,50 +48,77 @@ TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
 E2E_BUCKETS = (0.1, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
 
 
-class _EngineStatsCollector(Collector):
-    """Gauges from the engine's latest stats (nothing before the first snapshot)."""
+# name, type, help, value from one replica's EngineStats
+_ENGINE_METRICS: tuple[tuple[str, type, str, Callable[[EngineStats], float]], ...] = (
+    ("jaxserve_num_requests_waiting", GaugeMetricFamily, "Sequences waiting in the engine.",
+     lambda s: s.num_waiting),
+    ("jaxserve_num_requests_running", GaugeMetricFamily, "Sequences running in the engine.",
+     lambda s: s.num_running),
+    ("jaxserve_kv_cache_usage_perc", GaugeMetricFamily,
+     "KV blocks held by running sequences / all blocks (0..1).",
+     lambda s: s.kv_blocks_used / s.kv_blocks_total if s.kv_blocks_total else 0.0),
+    ("jaxserve_prefix_cache_hit_rate", GaugeMetricFamily,
+     "Prompt tokens found in the prefix cache / looked up (0..1).",
+     lambda s: s.prefix_cache_hit_rate),
+    ("jaxserve_recompiles_after_warmup", CounterMetricFamily,
+     "Worker compiles after start-up warm-up (0 when healthy).", lambda s: s.num_recompiles),
+    ("jaxserve_worker_restarts", CounterMetricFamily,
+     "Worker processes started to replace a dead or hung one.",
+     lambda s: s.num_worker_restarts),
+)
 
-    def __init__(self, get_stats: Callable[[], EngineStats | None],
-                 get_in_flight: Callable[[], int]) -> None:
+
+class _EngineStatsCollector(Collector):
+    """Per-replica metrics from each engine's latest stats and the api's routing."""
+
+    def __init__(self, get_stats: Callable[[], Sequence[EngineStats | None]],
+                 get_in_flight: Callable[[], int],
+                 get_routing: Callable[[], tuple[Sequence[int], Sequence[int]]] | None) -> None:
         self._get_stats = get_stats
         self._get_in_flight = get_in_flight
+        self._get_routing = get_routing
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         yield GaugeMetricFamily("jaxserve_num_sequences_in_flight",
                                 "Sequences admitted by the api and not finished.",
                                 value=self._get_in_flight())
-        stats = self._get_stats()
-        if stats is None:
+        if self._get_routing is not None:
+            in_flight, routed = self._get_routing()
+            gauge = GaugeMetricFamily("jaxserve_replica_requests_in_flight",
+                                      "Requests the api has in flight on the replica.",
+                                      labels=["replica"])
+            counter = CounterMetricFamily("jaxserve_replica_requests",
+                                          "Requests the api routed to the replica.",
+                                          labels=["replica"])
+            for replica, (now, total) in enumerate(zip(in_flight, routed)):
+                gauge.add_metric([str(replica)], now)
+                counter.add_metric([str(replica)], total)
+            yield gauge
+            yield counter
+        stats = [(str(i), s) for i, s in enumerate(self._get_stats()) if s is not None]
+        if not stats:
             return
-        yield GaugeMetricFamily("jaxserve_num_requests_waiting",
-                                "Sequences waiting in the engine.", value=stats.num_waiting)
-        yield GaugeMetricFamily("jaxserve_num_requests_running",
-                                "Sequences running in the engine.", value=stats.num_running)
-        usage = stats.kv_blocks_used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0
-        yield GaugeMetricFamily("jaxserve_kv_cache_usage_perc",
-                                "KV blocks held by running sequences / all blocks (0..1).",
-                                value=usage)
-        yield GaugeMetricFamily("jaxserve_prefix_cache_hit_rate",
-                                "Prompt tokens found in the prefix cache / looked up (0..1).",
-                                value=stats.prefix_cache_hit_rate)
-        yield CounterMetricFamily("jaxserve_recompiles_after_warmup",
-                                  "Worker compiles after start-up warm-up (0 when healthy).",
-                                  value=stats.num_recompiles)
-        yield CounterMetricFamily("jaxserve_worker_restarts",
-                                  "Worker processes started to replace a dead or hung one.",
-                                  value=stats.num_worker_restarts)
+        for name, family_type, documentation, value in _ENGINE_METRICS:
+            family = family_type(name, documentation, labels=["replica"])
+            for replica, s in stats:
+                family.add_metric([replica], value(s))
+            yield family
 
 
 class ServerMetrics:
     """The api process's metrics, in their own registry.
 
     Args:
-      get_stats: returns the engine's latest ``EngineStats`` (or None).
+      get_stats: returns each replica's latest ``EngineStats`` (or None), replica 0 first.
       get_in_flight: returns the sequences the api has admitted and not finished.
+      get_routing: returns (requests in flight, requests routed) per replica
+        (``ReplicaRouter.in_flight``, ``.routed``); None: no routing metrics.
     """
 
-    def __init__(self, get_stats: Callable[[], EngineStats | None],
-                 get_in_flight: Callable[[], int] = lambda: 0) -> None:
+    def __init__(self, get_stats: Callable[[], Sequence[EngineStats | None]],
+                 get_in_flight: Callable[[], int] = lambda: 0,
+                 get_routing: Callable[[], tuple[Sequence[int], Sequence[int]]] | None = None
+                 ) -> None:
         self.registry = CollectorRegistry()
         reg = self.registry
         self.ttft = Histogram("jaxserve_time_to_first_token_seconds",
@@ -103,7 +138,7 @@ class ServerMetrics:
                                 ["finished_reason"], registry=reg)
         self.rejected = Counter("jaxserve_requests_rejected", "Requests refused.", ["code"],
                                 registry=reg)
-        reg.register(_EngineStatsCollector(get_stats, get_in_flight))
+        reg.register(_EngineStatsCollector(get_stats, get_in_flight, get_routing))
 
     def serve(self, port: int, host: str = "0.0.0.0") -> None:
         """Serves ``/metrics`` over HTTP on a daemon thread."""

@@ -92,6 +92,23 @@ def test_float16_is_refused_at_start_up(demo_model_dir):
         LLM(str(demo_model_dir), dtype="float16")
 
 
+@pytest.mark.parametrize("value", ["0", "-2", "two"])
+def test_data_parallel_size_below_one_is_refused_with_the_flags_name(value):
+    proc = _cli("serve", "--data-parallel-size", value, "--port", "0")
+    assert proc.returncode == 2, proc.stderr
+    assert "usage: jaxserve serve" in proc.stderr
+    assert "argument --data-parallel-size/-dp:" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_serve_options_refuse_a_data_parallel_size_below_one():
+    from jaxserve.launcher import ServeOptions
+
+    assert ServeOptions(data_parallel_size=3).data_parallel_size == 3
+    with pytest.raises(ValueError, match="data_parallel_size must be >= 1, got 0"):
+        ServeOptions(data_parallel_size=0)
+
+
 @pytest.mark.parametrize("command", ["generate", "chat"])
 def test_with_no_server_the_client_commands_say_how_to_start_one(command):
     args = ["hello"] if command == "generate" else []

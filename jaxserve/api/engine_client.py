@@ -223,7 +223,8 @@ class EngineClient:
         if self.error:
             return
         self.error = message
-        logger.error("%s; failing %d requests", message, len(self._queues))
+        logger.error("%s; failing %d requests (engine at %s)", message, len(self._queues),
+                     self.address)
         for queue in self._queues.values():
             queue.put_nowait(EngineFailure(message))
         for callback in self._failure_callbacks:
@@ -240,7 +241,7 @@ class EngineClient:
             except EngineError as err:
                 logger.debug("engine not serving yet: %s", err.message)
                 continue
-            logger.warning("the engine serves again; so does the api")
+            logger.warning("the engine at %s serves again; so does the api", self.address)
             self.error = ""
             for callback in self._recovery_callbacks:
                 callback()

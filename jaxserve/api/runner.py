@@ -11,8 +11,9 @@ a ``PreparedRequest`` and ``ApiError`` codes to its own statuses. In order:
 3. ``start``: a ``request_id`` already running is ``INVALID_ARGUMENT``;
    admission allows at most ``max_pending_seqs`` sequences (completions) in
    flight — ``max_num_seqs`` running plus a bounded waiting queue — else
-   ``RESOURCE_EXHAUSTED``; then the request's output queue is registered and
-   the request added to the engine;
+   ``RESOURCE_EXHAUSTED``; then the request is routed to a data-parallel
+   replica (``EngineGroup``; one in a plain server), its output queue
+   registered there and the request added to that replica's engine;
 4. ``RunningRequest.responses()`` turns engine outputs into
    ``GenerateResponse`` messages (``RequestTracker``: detokenization, stop
    strings; a stop string aborts that completion in the engine);
@@ -41,7 +42,8 @@ from typing import Any
 import grpc
 
 from jaxserve.api.completions import RequestTracker
-from jaxserve.api.engine_client import EngineClient, EngineError, EngineFailure
+from jaxserve.api.engine_client import EngineError, EngineFailure
+from jaxserve.api.engine_group import EngineGroup
 from jaxserve.api.prompts import PreparedRequest, RequestPreparer
 from jaxserve.engine.messages import EngineCoreRequest
 from jaxserve.metrics import ServerMetrics
@@ -74,14 +76,15 @@ class RequestRunner:
     """Runs requests against the engine for every transport. See the module docstring.
 
     Args:
-      engine: the connected engine client.
+      engine: the connected engines (one per data-parallel replica; a request
+        stays on the replica ``EngineGroup`` routes it to).
       preparer: tokenizes and validates requests for the served model.
       model_name: the served model's name (``GetModelInfo``, the HTTP ``model`` field).
       metrics: the process's Prometheus metrics.
       max_pending_seqs: most sequences (completions) in flight, running or waiting.
     """
 
-    def __init__(self, engine: EngineClient, preparer: RequestPreparer, *, model_name: str,
+    def __init__(self, engine: EngineGroup, preparer: RequestPreparer, *, model_name: str,
                  metrics: ServerMetrics, max_pending_seqs: int) -> None:
         self.engine = engine
         self.preparer = preparer
@@ -96,7 +99,7 @@ class RequestRunner:
     # ------------------------------------------------------------- lifecycle
     @property
     def ready(self) -> bool:
-        """New requests are accepted (not shutting down, the engine serving)."""
+        """New requests are accepted (not shutting down, an engine serving)."""
         return not self._shutting_down and self.engine.serving
 
     def begin_drain(self) -> None:
@@ -174,7 +177,11 @@ class RequestRunner:
                               f"in flight, at most {self.max_pending_seqs}); retry later")
         tracker = RequestTracker(rid, self.preparer.tokenizer, prepared.prompt_token_ids,
                                  prepared.params, stream=stream, arrival_time=arrival)
-        running = RunningRequest(self, rid, tracker, self.engine.register(rid), n, arrival,
+        try:
+            queue = self.engine.register(rid)  # routes it to a replica
+        except EngineError as err:
+            raise self.reject(err.code, err.message) from None
+        running = RunningRequest(self, rid, tracker, queue, n, arrival,
                                  None if timeout is None else arrival + timeout)
         self._queues[rid] = running.queue
         self.num_pending_seqs += n

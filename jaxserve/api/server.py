@@ -2,15 +2,16 @@
 reflection) and the OpenAI-compatible HTTP API — over one ``RequestRunner``.
 
     python -m jaxserve.api.server --engine-address 127.0.0.1:50061 --model DIR \\
+        [--engine-address 127.0.0.1:50062 ...]    # one per data-parallel replica
         [--host 0.0.0.0] [--port 50051] [--http-port 8000] [--metrics-port 9090] \\
         [--ssl-certfile CERT --ssl-keyfile KEY]    # API key: $JAXSERVE_API_KEY
 
 Started by ``jaxserve serve`` (``jaxserve.launcher``). Start-up: bind the
 ports at once (health NOT_SERVING, HTTP 503), load the tokenizer and the
 model's default sampling parameters (``--generation-config``,
-``jaxserve.generation_config``), wait for the engine process
-(``EngineClient.connect``: it is ready once its worker has loaded and
-compiled the model), then report SERVING for "" and
+``jaxserve.generation_config``), wait for every engine process
+(``EngineGroup.connect``: one per data-parallel replica, each ready once its
+worker has loaded and compiled the model), then report SERVING for "" and
 "jaxserve.GenerateService" and answer HTTP requests. Server reflection lists
 GenerateService and Health. Prometheus metrics (``jaxserve.metrics``) are
 served over HTTP on ``--metrics-port`` (0 = off). Both transports share the
@@ -26,7 +27,10 @@ metrics port stays plain HTTP without a key (bind it to a private address).
 
 NOT_SERVING again when the engine fails or is lost (its requests fail with
 ``UNAVAILABLE``); SERVING again once the engine serves again (on a new
-worker: ``EngineClient`` reopens its output stream). SIGINT / SIGTERM drains:
+worker: ``EngineClient`` reopens its output stream). With several replicas,
+requests are routed to the least-loaded one; a failed replica's requests fail
+with ``UNAVAILABLE`` and new ones go to the others, and the api turns
+NOT_SERVING only while no replica serves (``jaxserve.api.engine_group``). SIGINT / SIGTERM drains:
 health NOT_SERVING, new requests refused (``UNAVAILABLE``, HTTP 503), running
 ones get up to ``--shutdown-grace`` seconds (default 30) to finish; then what
 is left ends with finish reason "abort" and the process exits 0. A SIGINT after that
@@ -54,6 +58,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from jaxserve.api.engine_client import EngineClient, EngineError
+from jaxserve.api.engine_group import EngineGroup
 from jaxserve.api.generate_service import SERVICE_NAME, GenerateServicer, stats_refresher
 from jaxserve.api.openai.app import HttpFrontEnd, bearer_token_matches, http_server
 from jaxserve.api.prompts import RequestPreparer
@@ -92,10 +97,11 @@ class ApiServer:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.api_key = os.environ.get(API_KEY_ENV) or None
-        self.engine = EngineClient(args.engine_address)
+        self.engine = EngineGroup([EngineClient(a) for a in args.engine_addresses])
         self.metrics = ServerMetrics(
             lambda: self.engine.latest_stats,
-            lambda: self.runner.num_pending_seqs if self.runner is not None else 0)
+            lambda: self.runner.num_pending_seqs if self.runner is not None else 0,
+            lambda: (self.engine.router.in_flight, self.engine.router.routed))
         self.health = health.aio.HealthServicer()
         self.runner: RequestRunner | None = None
         self.http = HttpFrontEnd(api_key=self.api_key)
@@ -177,7 +183,7 @@ class ApiServer:
         add_generate_service(_Deferred(servicer), server)
         await server.start()
         logger.info("api listening on %s; waiting for the engine at %s", address,
-                    args.engine_address)
+                    ", ".join(args.engine_addresses))
         try:
             await self._serve(tokenizer, defaults, servicer, address)
         finally:
@@ -206,7 +212,8 @@ class ApiServer:
         self.runner = RequestRunner(
             self.engine, preparer, model_name=args.served_model_name or _model_name(args.model),
             metrics=self.metrics,
-            max_pending_seqs=info.max_num_seqs + args.max_waiting_requests)
+            max_pending_seqs=self.engine.num_replicas * info.max_num_seqs
+            + args.max_waiting_requests)
         servicer.set_result(GenerateServicer(self.runner))
         self.http.attach(self.runner)
         loop = asyncio.get_running_loop()
@@ -216,9 +223,10 @@ class ApiServer:
         refresh = asyncio.create_task(stats_refresher(self.engine)())
         await self._set_health(SERVING)
         print(READY_LINE, flush=True)
-        logger.info("api serving %s on %s (max_model_len %d, %d usable KV blocks of %d tokens)",
-                    self.runner.model_name, address, info.max_model_len,
-                    info.num_kv_blocks - 1, info.block_size)
+        logger.info("api serving %s on %s (max_model_len %d, %d usable KV blocks of %d tokens"
+                    " per replica, %d replicas)", self.runner.model_name, address,
+                    info.max_model_len, info.num_kv_blocks - 1, info.block_size,
+                    self.engine.num_replicas)
         await self._stopped.wait()
         await self._set_health(NOT_SERVING)
         await self._drain()
@@ -360,7 +368,10 @@ def _model_name(model: str) -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m jaxserve.api.server", allow_abbrev=False,
                                      description="jaxserve's api process")
-    parser.add_argument("--engine-address", required=True, help="HOST:PORT of the engine process")
+    parser.add_argument("--engine-address", dest="engine_addresses", action="append",
+                        required=True, metavar="HOST:PORT",
+                        help="an engine process; repeated, one per data-parallel replica "
+                             "(replica 0 first)")
     parser.add_argument("--model", required=True, help="the model directory (for its tokenizer)")
     parser.add_argument("--served-model-name", default=None,
                         help="the name GetModelInfo reports (default: the directory's name)")
@@ -377,8 +388,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="TLS certificate (PEM) for gRPC and HTTP; needs --ssl-keyfile")
     parser.add_argument("--ssl-keyfile", default=None, help="TLS private key (PEM)")
     parser.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS,
-                        help="sequences that may wait beyond max_num_seqs before new requests "
-                             "get RESOURCE_EXHAUSTED")
+                        help="sequences that may wait beyond max_num_seqs (times the "
+                             "replicas) before new requests get RESOURCE_EXHAUSTED")
     parser.add_argument("--engine-timeout", type=float, default=None,
                         help="seconds to wait for the engine at start-up (default: no limit)")
     parser.add_argument("--shutdown-grace", type=float, default=30.0,

@@ -1,5 +1,8 @@
 """``jaxserve serve``: run the server (worker, engine and api processes) until SIGINT / SIGTERM.
 
+``--data-parallel-size D`` runs D engine + worker replicas behind the one api
+process (``jaxserve.launcher``).
+
 Logs go to stderr. Exit status 0 after a signal; 1 when a server process
 exits on its own (it is logged, and the others are stopped).
 """
@@ -23,8 +26,9 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1",
                         help="address the gRPC server listens on (default 127.0.0.1)")
     parser.add_argument("--max-waiting-requests", type=int, default=256,
-                        help="sequences that may wait beyond --max-num-seqs before new requests "
-                             "get RESOURCE_EXHAUSTED (default 256)")
+                        help="sequences that may wait beyond --max-num-seqs (times the "
+                             "data-parallel replicas) before new requests get "
+                             "RESOURCE_EXHAUSTED (default 256)")
     parser.add_argument("--ready-timeout", type=float, default=None,
                         help="seconds to wait for the server to start (default: no limit)")
     parser.add_argument("--shutdown-grace", type=float, default=30.0,
@@ -41,8 +45,26 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                              "generation_config.json (default auto)")
 
 
+def data_parallel_size(text: str) -> int:
+    """``--data-parallel-size``: an int >= 1 (argparse reports the error and exits 2)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1 (one engine + worker replica or "
+                                         f"more), got {value}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_server_arguments(parser)
+    parser.add_argument("--data-parallel-size", "-dp", type=data_parallel_size, default=1,
+                        metavar="D",
+                        help="run D independent engine + worker replicas behind the one api "
+                             "process; each request goes to the replica with the fewest "
+                             "requests in flight (default 1; every replica gets the engine "
+                             "flags above and its own KV cache)")
     parser.add_argument("--port", type=int, default=50051, help="gRPC port (default 50051)")
     parser.add_argument("--http-port", type=int, default=8000,
                         help="OpenAI-compatible HTTP API port (default 8000)")
@@ -77,7 +99,8 @@ def serve_options(args: argparse.Namespace, **overrides: object):
                   shutdown_grace=args.shutdown_grace,
                   engine_flags=tuple(engine_flags(args)), log_level=args.log_level,
                   in_process_worker=args.in_process_worker,
-                  generation_config=args.generation_config)
+                  generation_config=args.generation_config,
+                  data_parallel_size=getattr(args, "data_parallel_size", 1))
     values.update(overrides)
     return ServeOptions(**values)
 

@@ -23,7 +23,8 @@ from jaxserve.validation import InvalidArgument, Unsupported
 TEXT = "Hello there, general Kenobi! The café serves crème brûlée — 東京 😀."
 SERVER_MODULES = ["jaxserve.api.server", "jaxserve.api.generate_service",
                   "jaxserve.api.completions", "jaxserve.api.prompts", "jaxserve.api.engine_client",
-                  "jaxserve.api.runner", "jaxserve.api.openai.app", "jaxserve.api.openai.serving",
+                  "jaxserve.api.runner", "jaxserve.api.engine_group", "jaxserve.api.router",
+                  "jaxserve.api.openai.app", "jaxserve.api.openai.serving",
                   "jaxserve.metrics", "jaxserve.launcher", "jaxserve.procutil",
                   "jaxserve.engine.service", "jaxserve.engine.loop", "jaxserve.engine.grpc_worker",
                   "jaxserve.proto.engine_convert", "jaxserve.commands.serve",

@@ -289,11 +289,14 @@ def test_prometheus_metrics(server, client):
         assert total(after, name) >= total(before, name) + 1, name
     assert total(after, "jaxserve_request_success_total", [("finished_reason", "length")]) >= 1
     assert total(after, "jaxserve_requests_rejected_total", [("code", "INVALID_ARGUMENT")]) >= 1
-    assert 0.0 <= total(after, "jaxserve_kv_cache_usage_perc") <= 1.0
-    assert 0.0 <= total(after, "jaxserve_prefix_cache_hit_rate") <= 1.0
-    for name in ("jaxserve_num_requests_waiting", "jaxserve_num_requests_running",
-                 "jaxserve_num_sequences_in_flight"):
-        assert name in after and total(after, name) == 0.0
+    replica = [("replica", "0")]  # engine metrics are per data-parallel replica
+    assert 0.0 <= total(after, "jaxserve_kv_cache_usage_perc", replica) <= 1.0
+    assert 0.0 <= total(after, "jaxserve_prefix_cache_hit_rate", replica) <= 1.0
+    for name in ("jaxserve_num_requests_waiting", "jaxserve_num_requests_running"):
+        assert tuple(replica) in after[name] and total(after, name, replica) == 0.0
+    assert "jaxserve_num_sequences_in_flight" in after
+    assert total(after, "jaxserve_num_sequences_in_flight") == 0.0
+    assert total(after, "jaxserve_replica_requests_total", replica) >= 1
     # The recompile guard's production metric: exported, and 0 after all this traffic.
     assert "jaxserve_recompiles_after_warmup_total" in after
-    assert total(after, "jaxserve_recompiles_after_warmup_total") == 0.0
+    assert total(after, "jaxserve_recompiles_after_warmup_total", replica) == 0.0

@@ -86,7 +86,7 @@ def _restarts_metric(port: int, want: float, timeout: float = 15.0) -> float:
     while time.monotonic() < deadline:
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
         for line in text.decode().splitlines():
-            if line.startswith("jaxserve_worker_restarts_total "):
+            if line.startswith('jaxserve_worker_restarts_total{replica="0"} '):
                 value = float(line.split()[1])
         if value == want:
             break
