@@ -85,6 +85,38 @@ class ModelConfig:
         """Query heads per KV head (N / K), the GQA group size."""
         return self.num_heads // self.num_kv_heads
 
+    def for_tensor_parallel(self, tensor_parallel_size: int) -> "ModelConfig":
+        """The architecture as a tensor-parallel group of TP devices builds it.
+
+        Each device holds N / TP query heads and F / TP MLP columns. With K >=
+        TP it holds K / TP KV heads and this config is returned as it is;
+        with TP > K (a multiple of K) each KV head is replicated on TP / K
+        devices, so the returned copy has ``num_kv_heads = TP`` (the same
+        grouped-query attention; docs/scale_out.md).
+
+        Raises:
+          ValueError: TP does not divide N or F, or TP and K divide neither
+            way (the message names the numbers).
+        """
+        tp = tensor_parallel_size
+        n, k, f = self.num_heads, self.num_kv_heads, self.intermediate_size
+        what = f"tensor_parallel_size={tp} does not fit {self.architecture}"
+        if tp < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {tp}")
+        if n % tp:
+            raise ValueError(f"{what}: its {n} query heads do not split evenly over {tp} "
+                             f"devices (choose a divisor of {n})")
+        if f % tp:
+            raise ValueError(f"{what}: its MLP width {f} does not split evenly over {tp} "
+                             f"devices")
+        if k % tp == 0:
+            return self
+        if tp % k:
+            raise ValueError(f"{what}: its {k} KV heads neither split evenly over {tp} devices "
+                             f"nor replicate evenly onto them (choose a divisor or a multiple "
+                             f"of {k})")
+        return dataclasses.replace(self, num_kv_heads=tp)
+
     @classmethod
     def from_hf(cls, hf_config: Any) -> "ModelConfig":
         """Builds a ModelConfig from a transformers ``PretrainedConfig``.

@@ -184,7 +184,7 @@ class CausalLM(nnx.Module):
       scan_layers: stack the layers and run them with ``jax.lax.scan``; the
         KV cache must then be stacked too (``init_kv_cache(..., stacked=True)``).
       mesh: the tensor-parallel mesh (``sharding.make_mesh``), None for one
-        device; ``config`` is then ``sharding.tensor_parallel_config``'s.
+        device; ``config`` is then ``ModelConfig.for_tensor_parallel``'s.
     """
 
     def __init__(self, config: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs,

@@ -155,7 +155,7 @@ def abstract_model(config: ModelConfig, dtype: jnp.dtype, scan_layers: bool = Fa
     """(graph, parameters as a pure dict of ShapeDtypeStructs) of CausalLM, allocating nothing.
 
     With a tensor-parallel ``mesh``, ``config`` is the TP group's
-    (``sharding.tensor_parallel_config``) and every spec carries its sharding.
+    (``ModelConfig.for_tensor_parallel``) and every spec carries its sharding.
     """
     graphdef, state = nnx.split(nnx.eval_shape(
         lambda: CausalLM(config, dtype, nnx.Rngs(0), scan_layers=scan_layers, mesh=mesh)))
@@ -205,7 +205,7 @@ def load_model(model_dir: str | os.PathLike | None = None, dtype: str | jnp.dtyp
       NotImplementedError: unsupported architecture (lists the supported ones).
       FileNotFoundError / KeyError: missing files or tensors.
       ValueError: a tensor whose shape does not match the config, or a mesh
-        the model's heads do not split over (``sharding.tensor_parallel_config``).
+        the model's heads do not split over (``ModelConfig.for_tensor_parallel``).
     """
     if model_dir is None:
         from jaxserve.demo_model import ensure_demo_model
@@ -218,7 +218,7 @@ def load_model(model_dir: str | os.PathLike | None = None, dtype: str | jnp.dtyp
     dtype = resolve_dtype(dtype)
     checkpoint_config = ModelConfig.from_pretrained(path)
     tp = sharding.mesh_size(mesh)
-    config = sharding.tensor_parallel_config(checkpoint_config, tp)
+    config = checkpoint_config.for_tensor_parallel(tp)
     layout = _FusedLayout(checkpoint_config, config.num_kv_heads, tp)
     start = time.perf_counter()
     graphdef, state = nnx.split(nnx.eval_shape(

@@ -21,7 +21,8 @@ One worker drives ``tensor_parallel_size`` (TP) devices through a 1-D
 
 KV heads: with K ≥ TP each device holds K / TP of them (TP must divide K).
 With TP > K (TP a multiple of K) each KV head is **replicated** on TP / K
-devices: the model is built with ``num_kv_heads = TP`` (``tensor_parallel_config``)
+devices: the model is built with ``num_kv_heads = TP``
+(``ModelConfig.for_tensor_parallel``)
 and KV head j of that model is the checkpoint's head ``j·K // TP`` — the same
 grouped-query attention, each device holding the one KV head its query heads
 read. Shapes that fit neither way are refused at start-up (``ValueError``).
@@ -31,8 +32,6 @@ is replicated on every device of the mesh.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import jax
 import numpy as np
@@ -74,32 +73,6 @@ def make_mesh(tensor_parallel_size: int, devices=None) -> Mesh | None:
 def mesh_size(mesh: Mesh | None) -> int:
     """TP: the number of devices of the mesh (1 for None)."""
     return 1 if mesh is None else mesh.shape[TP_AXIS]
-
-
-def tensor_parallel_config(config: ModelConfig, tensor_parallel_size: int) -> ModelConfig:
-    """The architecture as one TP group builds it: KV heads replicated when TP > K.
-
-    Returns ``config`` itself when K >= TP; otherwise a copy with
-    ``num_kv_heads = TP`` (see the module docstring).
-
-    Raises:
-      ValueError: TP does not divide the query heads N or the MLP width F, or
-        TP and K divide neither way (the message names the numbers).
-    """
-    tp = tensor_parallel_size
-    n, k, f = config.num_heads, config.num_kv_heads, config.intermediate_size
-    what = f"tensor_parallel_size={tp} does not fit {config.architecture}"
-    if n % tp:
-        raise ValueError(f"{what}: its {n} query heads do not split evenly over {tp} devices "
-                         f"(choose a divisor of {n})")
-    if f % tp:
-        raise ValueError(f"{what}: its MLP width {f} does not split evenly over {tp} devices")
-    if k % tp == 0:
-        return config
-    if tp % k:
-        raise ValueError(f"{what}: its {k} KV heads neither split evenly over {tp} devices nor "
-                         f"replicate evenly onto them (choose a divisor or a multiple of {k})")
-    return dataclasses.replace(config, num_kv_heads=tp)
 
 
 def kv_head_sources(config: ModelConfig, num_kv_heads: int) -> list[int]:

@@ -69,20 +69,18 @@ def _config(**fields) -> ModelConfig:
     return ModelConfig(**{**base, **fields})
 
 
-def test_tensor_parallel_config_fits_or_refuses():
+def test_for_tensor_parallel_fits_or_refuses():
     demo_like = _config()  # 9 query heads, 3 KV heads, as the demo model
-    assert sharding.tensor_parallel_config(demo_like, 3) is demo_like
+    assert demo_like.for_tensor_parallel(3) is demo_like
     with pytest.raises(ValueError, match="9 query heads do not split evenly over 2"):
-        sharding.tensor_parallel_config(demo_like, 2)
+        demo_like.for_tensor_parallel(2)
     grouped = _config(num_heads=16, num_kv_heads=4, intermediate_size=64)
-    assert sharding.tensor_parallel_config(grouped, 8).num_kv_heads == 8  # replicated
+    assert grouped.for_tensor_parallel(8).num_kv_heads == 8  # replicated
     assert sharding.kv_head_sources(grouped, 8) == [0, 0, 1, 1, 2, 2, 3, 3]
     with pytest.raises(ValueError, match="MLP width 100"):
-        sharding.tensor_parallel_config(_config(num_heads=8, num_kv_heads=8,
-                                                intermediate_size=100), 8)
+        _config(num_heads=8, num_kv_heads=8, intermediate_size=100).for_tensor_parallel(8)
     with pytest.raises(ValueError, match="6 KV heads neither split"):
-        sharding.tensor_parallel_config(_config(num_heads=12, num_kv_heads=6,
-                                                intermediate_size=48), 4)
+        _config(num_heads=12, num_kv_heads=6, intermediate_size=48).for_tensor_parallel(4)
 
 
 def test_fused_column_order_groups_parts_by_device():
