@@ -20,6 +20,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
              "serve the demo model, stream one chat answer through the client, shut down"),
     "generate": ("jaxserve.commands.generate", "stream a completion from a running server"),
     "chat": ("jaxserve.commands.chat", "chat with a running server"),
+    "save-checkpoint": ("jaxserve.commands.save_checkpoint",
+                        "convert a model once into an Orbax parameter checkpoint directory"),
     "bench": ("jaxserve.bench", "run a benchmark (offline_throughput, serving, step_profile, ...)"),
 }
 

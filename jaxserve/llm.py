@@ -79,6 +79,7 @@ class LLM:
         (compiles ~4× faster; decodes ~1.3× slower on the CPU: docs/model.md).
       tensor_parallel_size: devices the model and KV cache are split over
         (docs/scale_out.md); the model's heads must split over them.
+      load_format: "auto", "safetensors" or "orbax" (``WorkerInit.load_format``).
       compilation_cache_dir: JAX's persistent compilation cache directory;
         None = JAX's setting (``JAX_COMPILATION_CACHE_DIR`` or
         ``jax.config``) when there is one, else ``$JAXSERVE_CACHE/jax_cache``
@@ -112,7 +113,8 @@ class LLM:
                  token_buckets: Sequence[int] = (), request_buckets: Sequence[int] = (),
                  attention_backend: str | None = None, seed: int = 0,
                  async_scheduling: bool = False, scan_layers: bool = False,
-                 tensor_parallel_size: int = 1, compilation_cache_dir: str | None = None,
+                 tensor_parallel_size: int = 1, load_format: str = "auto",
+                 compilation_cache_dir: str | None = None,
                  strict_recompile: bool = False, generation_config: str = "auto",
                  worker: Any = None):
         from jaxserve.demo_model import resolve_model_path
@@ -136,6 +138,7 @@ class LLM:
                               enable_prefix_caching=enable_prefix_caching),
             attention_backend=attention_backend, seed=seed, async_scheduling=async_scheduling,
             scan_layers=scan_layers, tensor_parallel_size=tensor_parallel_size,
+            load_format=load_format,
             compile=CompileConfig(cache_dir=compilation_cache_dir,
                                   strict_recompile=strict_recompile))
         if worker is None or worker == "in_process":

@@ -7,8 +7,10 @@ line naming what is missing, instead of a traceback from a child process.
 
 What counts (the readers' own rules):
 
-- weights: any ``*.safetensors`` file (``jaxserve.model.loader`` reads only
-  safetensors; ``pytorch_model.bin`` or ``*.gguf`` are named as unreadable);
+- weights: any ``*.safetensors`` file, or the parameter checkpoint
+  ``jaxserve save-checkpoint`` writes (its ``jaxserve_checkpoint.json``);
+  ``jaxserve.model.loader`` reads nothing else (``pytorch_model.bin`` or
+  ``*.gguf`` are named as unreadable);
 - tokenizer: one of ``tokenizer.json`` (fast), ``tokenizer.model``
   (SentencePiece), ``vocab.json`` + ``merges.txt`` (byte-level BPE) or
   ``vocab.txt`` (WordPiece) — what ``transformers.AutoTokenizer`` can build from.
@@ -23,6 +25,7 @@ import pathlib
 TOKENIZER_FILE_SETS = (("tokenizer.json",), ("tokenizer.model",), ("vocab.json", "merges.txt"),
                        ("vocab.txt",))
 _OTHER_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.gguf")
+CHECKPOINT_FILE = "jaxserve_checkpoint.json"  # a parameter checkpoint's metadata (model/checkpoint.py)
 
 
 def missing_model_files(model_dir: str | os.PathLike[str],
@@ -35,7 +38,7 @@ def missing_model_files(model_dir: str | os.PathLike[str],
     """
     model_dir = pathlib.Path(model_dir)
     problems = []
-    if not any(model_dir.glob("*.safetensors")):
+    if not any(model_dir.glob("*.safetensors")) and not (model_dir / CHECKPOINT_FILE).is_file():
         others = sorted(p.name for pattern in _OTHER_WEIGHTS for p in model_dir.glob(pattern))
         found = f"; found {', '.join(others)}, which jaxserve cannot read" if others else ""
         problems.append(f"the weights (*.safetensors{found})")

@@ -72,7 +72,8 @@ def init_to_proto(init: WorkerInit) -> wpb.InitializeRequest:
         token_buckets=list(init.token_buckets), request_buckets=list(init.request_buckets),
         seed_json=json.dumps(int(init.seed)), memory_utilization=init.memory_utilization,
         precompile=init.precompile, strict_recompile=init.strict_recompile,
-        scan_layers=init.scan_layers, tensor_parallel_size=init.tensor_parallel_size)
+        scan_layers=init.scan_layers, tensor_parallel_size=init.tensor_parallel_size,
+        load_format=init.load_format)
     for field in ("model", "num_kv_blocks", "kv_cache_bytes", "max_model_len",
                   "attention_backend", "compilation_cache_dir"):
         value = getattr(init, field)
@@ -92,7 +93,7 @@ def init_from_proto(msg: wpb.InitializeRequest) -> WorkerInit:
         memory_utilization=msg.memory_utilization, precompile=msg.precompile,
         strict_recompile=msg.strict_recompile,
         compilation_cache_dir=opt("compilation_cache_dir"), scan_layers=msg.scan_layers,
-        tensor_parallel_size=msg.tensor_parallel_size or 1)
+        tensor_parallel_size=msg.tensor_parallel_size or 1, load_format=msg.load_format or "auto")
 
 
 def geometry_to_proto(g: Geometry) -> wpb.Geometry:

@@ -86,6 +86,9 @@ class WorkerInit:
         (compiles ~4× faster; decodes ~1.3× slower on the CPU: docs/model.md).
       tensor_parallel_size: TP, the devices the worker splits the model and
         KV cache over (docs/scale_out.md); 1 = one device.
+      load_format: "auto", "safetensors" or "orbax" (``jaxserve.model.loader``:
+        convert the Hugging Face weights, or restore the directory's
+        parameter checkpoint; auto = the checkpoint when there is one).
     """
 
     model: str | None
@@ -105,6 +108,7 @@ class WorkerInit:
     compilation_cache_dir: str | None = None
     scan_layers: bool = False
     tensor_parallel_size: int = 1
+    load_format: str = "auto"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

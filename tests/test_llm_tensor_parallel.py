@@ -6,9 +6,16 @@ splits the KV heads, TP = 4 replicates each on two devices. Greedy and
 seeded-sampling outputs of TP = 2 and TP = 4 equal TP = 1 token for token,
 with no compile after warm-up (strict recompile). Prompts are token ids (the
 demo model's tokenizer only detokenizes; the tiny vocabulary is 256).
+
+``jaxserve save-checkpoint -tp 2`` converts the same model once into an Orbax
+parameter checkpoint directory; an LLM with TP = 2 on that directory restores
+it and gives the same tokens again.
 """
 
 from __future__ import annotations
+
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -33,18 +40,43 @@ def _outputs(model_dir, tokenizer_dir, prompts, tensor_parallel_size):
             [[lp for c in batch for lp in (c.logprobs or [])] for batch in out])
 
 
-def test_tensor_parallel_llm_matches_one_device(tmp_path, demo_model_dir):
-    make_tiny_model("LlamaForCausalLM", tmp_path, **HEADS)
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, demo_model_dir):
+    """(tiny model directory, prompts, TP = 1 tokens and logprobs)."""
+    directory = tmp_path_factory.mktemp("tiny_tp")
+    make_tiny_model("LlamaForCausalLM", directory, **HEADS)
     rng = np.random.default_rng(5)
     prompts = [{"prompt_token_ids": rng.integers(1, 256, n).tolist()} for n in (5, 19, 40)]
-    want, want_logprobs = _outputs(tmp_path, demo_model_dir, prompts, 1)
+    return (directory, prompts) + _outputs(directory, demo_model_dir, prompts, 1)
+
+
+def test_tensor_parallel_llm_matches_one_device(tiny, demo_model_dir):
+    directory, prompts, want, want_logprobs = tiny
     for tp in (2, 4):
-        got, logprobs = _outputs(tmp_path, demo_model_dir, prompts, tp)
+        got, logprobs = _outputs(directory, demo_model_dir, prompts, tp)
         assert got == want, f"TP={tp}"
         # The sampled tokens' logprobs agree to float32 round-off.
         for a, b in zip(logprobs[1], want_logprobs[1]):
             assert a.keys() == b.keys()
             assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
+
+
+def test_a_saved_checkpoint_gives_the_same_tokens(tiny, demo_model_dir, tmp_path):
+    directory, prompts, want, _ = tiny
+    out = tmp_path / "ckpt"
+    proc = subprocess.run([sys.executable, "-m", "jaxserve", "save-checkpoint", "--model",
+                           str(directory), "--output", str(out), "-tp", "2"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert not list(out.glob("*.safetensors")) and (out / "jaxserve_checkpoint.json").is_file()
+    got, _ = _outputs(out, demo_model_dir, prompts, 2)
+    assert got == want
+    # A second save into it is refused unless --force (the command says why, in one line).
+    again = subprocess.run([sys.executable, "-m", "jaxserve", "save-checkpoint", "--model",
+                            str(directory), "--output", str(out), "-tp", "2"],
+                           capture_output=True, text=True, timeout=300)
+    assert again.returncode == 1 and "Traceback" not in again.stderr
+    assert "force" in again.stderr
 
 
 def test_a_model_that_does_not_split_is_refused(demo_model_dir):

@@ -162,6 +162,7 @@ class EngineConfig:
         (``WorkerInit.scan_layers``).
       tensor_parallel_size: devices the worker splits the model over
         (``WorkerInit.tensor_parallel_size``).
+      load_format: how the worker reads the weights (``WorkerInit.load_format``).
       eos_token_ids: filled from the worker's geometry by ``resolved``.
     """
 
@@ -176,6 +177,7 @@ class EngineConfig:
     compile: CompileConfig = dataclasses.field(default_factory=CompileConfig)
     scan_layers: bool = False
     tensor_parallel_size: int = 1
+    load_format: str = "auto"
     eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
@@ -201,7 +203,7 @@ class EngineConfig:
             memory_utilization=self.cache.memory_utilization,
             precompile=self.compile.precompile, strict_recompile=self.compile.strict_recompile,
             compilation_cache_dir=self.compile.cache_dir, scan_layers=self.scan_layers,
-            tensor_parallel_size=self.tensor_parallel_size)
+            tensor_parallel_size=self.tensor_parallel_size, load_format=self.load_format)
 
     def resolved(self, geometry: Geometry) -> "EngineConfig":
         """A new config with the worker's geometry filled in.

@@ -272,6 +272,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1,
                         help="devices the worker splits the model and KV cache over (default "
                              "1; docs/scale_out.md)")
+    parser.add_argument("--load-format", choices=("auto", "safetensors", "orbax"),
+                        default="auto",
+                        help="safetensors = convert the Hugging Face weights; orbax = restore "
+                             "the parameter checkpoint `jaxserve save-checkpoint` wrote into the "
+                             "model directory; auto = the checkpoint when there is one")
     parser.add_argument("--max-worker-restarts", type=_non_negative_int, default=3,
                         help="worker processes the engine may start to replace a dead or hung "
                              "one, in its life (default 3; 0 = a worker failure is final)")
@@ -320,7 +325,8 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
     flags.append("--async-scheduling" if args.async_scheduling else "--no-async-scheduling")
     if args.scan_layers:
         flags.append("--scan-layers")
-    flags += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
+    flags += ["--tensor-parallel-size", str(args.tensor_parallel_size),
+              "--load-format", args.load_format]
     flags += ["--max-worker-restarts", str(args.max_worker_restarts),
               "--step-timeout", repr(args.step_timeout)]
     return flags
@@ -338,7 +344,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                           **({} if args.kv_cache_bytes is None
                              else {"kv_cache_bytes": args.kv_cache_bytes})),
         seed=args.seed, async_scheduling=args.async_scheduling, scan_layers=args.scan_layers,
-        tensor_parallel_size=args.tensor_parallel_size)
+        tensor_parallel_size=args.tensor_parallel_size, load_format=args.load_format)
 
 
 def _make_worker(args: argparse.Namespace):

@@ -37,9 +37,10 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from jaxserve.config import ModelConfig
+from jaxserve.model_files import CHECKPOINT_FILE
 
 FORMAT_VERSION = 1
-METADATA_FILE = "jaxserve_checkpoint.json"
+METADATA_FILE = CHECKPOINT_FILE  # the file model directories are checked for
 PARAMS_DIR = "params"
 
 

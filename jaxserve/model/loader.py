@@ -11,6 +11,12 @@ straight into its sharding, each device receiving only its slice
 parameter, and the host holds one parameter at a time. With ``scan_layers`` each stacked ``[L, ...]`` parameter
 is filled layer by layer into one array (a transient second copy of that one
 parameter, never of the model).
+
+A model directory may instead hold a parameter checkpoint that
+``save_model_checkpoint`` wrote (``jaxserve.model.checkpoint``: Orbax, the
+converted parameters of one dtype, layer layout and tensor-parallel size);
+``load_model`` then restores it straight into the parameters' shardings, no
+conversion (``load_format``: "auto" takes the checkpoint when there is one).
 """
 
 from __future__ import annotations
@@ -29,13 +35,16 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.config import ModelConfig
-from jaxserve.model import sharding
+from jaxserve.model import checkpoint, sharding
 from jaxserve.model.graph import StaticGraph
 from jaxserve.model.llama import CausalLM
 
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+LOAD_FORMATS = ("auto", "safetensors", "orbax")
+# What a checkpoint directory keeps of the Hugging Face directory besides the weights.
+_NOT_COPIED = ("*.safetensors", "model.safetensors.index.json")
 
 
 def resolve_dtype(dtype: str | jnp.dtype) -> jnp.dtype:
@@ -183,7 +192,8 @@ def _read_param(index: "_SafetensorsIndex", param_path: tuple, dtype: jnp.dtype,
 
 
 def load_model(model_dir: str | os.PathLike | None = None, dtype: str | jnp.dtype = "float32",
-               scan_layers: bool = False, mesh=None) -> tuple[ModelConfig, StaticGraph, dict]:
+               scan_layers: bool = False, mesh=None, load_format: str = "auto"
+               ) -> tuple[ModelConfig, StaticGraph, dict]:
     """Loads a Hugging Face Llama-family directory.
 
     Args:
@@ -194,6 +204,9 @@ def load_model(model_dir: str | os.PathLike | None = None, dtype: str | jnp.dtyp
         ``jaxserve.model.llama``); its KV cache must be stacked too.
       mesh: a tensor-parallel mesh (``sharding.make_mesh``): the model is built
         for it and every parameter placed in its sharding; None: one device.
+      load_format: "safetensors" (convert the Hugging Face weights), "orbax"
+        (restore the directory's parameter checkpoint) or "auto" (the
+        checkpoint when the directory has one, else safetensors).
 
     Returns:
       (config, graph, params): ``graph.merge(params)`` is the model; ``params``
@@ -204,8 +217,10 @@ def load_model(model_dir: str | os.PathLike | None = None, dtype: str | jnp.dtyp
     Raises:
       NotImplementedError: unsupported architecture (lists the supported ones).
       FileNotFoundError / KeyError: missing files or tensors.
-      ValueError: a tensor whose shape does not match the config, or a mesh
-        the model's heads do not split over (``ModelConfig.for_tensor_parallel``).
+      ValueError: a tensor whose shape does not match the config, a mesh the
+        model's heads do not split over (``ModelConfig.for_tensor_parallel``),
+        an unknown ``load_format``, or a checkpoint of another dtype, layer
+        layout or tensor-parallel size (the message names the field).
     """
     if model_dir is None:
         from jaxserve.demo_model import ensure_demo_model
@@ -215,10 +230,15 @@ def load_model(model_dir: str | os.PathLike | None = None, dtype: str | jnp.dtyp
         path = pathlib.Path(model_dir)
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path} is not a Hugging Face model directory (no config.json)")
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     dtype = resolve_dtype(dtype)
     checkpoint_config = ModelConfig.from_pretrained(path)
     tp = sharding.mesh_size(mesh)
     config = checkpoint_config.for_tensor_parallel(tp)
+    has_checkpoint = (path / checkpoint.METADATA_FILE).is_file()
+    if load_format == "orbax" or (load_format == "auto" and has_checkpoint):
+        return _restore(path, config, dtype, scan_layers, mesh)
     layout = _FusedLayout(checkpoint_config, config.num_kv_heads, tp)
     start = time.perf_counter()
     graphdef, state = nnx.split(nnx.eval_shape(
@@ -244,6 +264,66 @@ def load_model(model_dir: str | os.PathLike | None = None, dtype: str | jnp.dtyp
     logger.info("loaded %s (%s, %d layers, TP=%d) in %.1f s", path, config.architecture,
                 config.num_layers, tp, time.perf_counter() - start)
     return config, StaticGraph(graphdef), params
+
+
+def _layout(mesh) -> dict:
+    """What a checkpoint's parameters depend on besides config, dtype and scan_layers."""
+    return {"tensor_parallel_size": sharding.mesh_size(mesh)}
+
+
+def _restore(path: pathlib.Path, config: ModelConfig, dtype: jnp.dtype, scan_layers: bool,
+             mesh) -> tuple[ModelConfig, StaticGraph, dict]:
+    """The directory's parameter checkpoint, restored into the mesh (or onto the default device)."""
+    start = time.perf_counter()
+    checkpoint.check_metadata(checkpoint.read_metadata(path), config=config,
+                              dtype=jnp.dtype(dtype).name, scan_layers=scan_layers,
+                              layout=_layout(mesh))
+    graph, target = abstract_model(config, dtype, scan_layers, mesh)
+    if mesh is None:
+        one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one),
+                              target)
+    params = checkpoint.restore_params(path, target)
+    logger.info("restored the parameter checkpoint in %s (%s, %d layers, TP=%d) in %.1f s",
+                path, config.architecture, config.num_layers, sharding.mesh_size(mesh),
+                time.perf_counter() - start)
+    return config, graph, params
+
+
+def save_model_checkpoint(model_dir: str | os.PathLike | None, output_dir: str | os.PathLike,
+                          dtype: str = "float32", scan_layers: bool = False, mesh=None,
+                          force: bool = False) -> pathlib.Path:
+    """Converts a Hugging Face directory once and saves it as a servable checkpoint directory.
+
+    ``output_dir`` receives the parameter checkpoint (``jaxserve.model.checkpoint``)
+    of ``load_model(model_dir, dtype, scan_layers, mesh)`` plus every file of
+    ``model_dir`` but the safetensors weights (config, tokenizer, generation
+    config), so ``load_model(output_dir, ...)`` / ``jaxserve serve --model
+    output_dir`` restore it — with the same dtype, ``scan_layers`` and
+    tensor-parallel size, which the checkpoint records and the restore checks.
+
+    Returns:
+      ``output_dir`` as a path.
+
+    Raises:
+      as ``load_model`` and ``checkpoint.save_params`` (an existing checkpoint
+      without ``force``: FileExistsError).
+    """
+    import shutil
+
+    if model_dir is None:
+        from jaxserve.demo_model import ensure_demo_model
+
+        model_dir = ensure_demo_model()
+    model_dir, output_dir = pathlib.Path(model_dir), pathlib.Path(output_dir)
+    config, _, params = load_model(model_dir, dtype, scan_layers, mesh, load_format="safetensors")
+    checkpoint.save_params(output_dir, params, config=config,
+                           dtype=jnp.dtype(resolve_dtype(dtype)).name, scan_layers=scan_layers,
+                           layout=_layout(mesh), force=force)
+    for item in sorted(model_dir.iterdir()):
+        if item.is_file() and not any(item.match(p) for p in _NOT_COPIED):
+            shutil.copy2(item, output_dir / item.name)
+    return output_dir
 
 
 def _at_path(tree: dict, path: tuple):

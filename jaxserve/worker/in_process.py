@@ -179,7 +179,7 @@ class InProcessWorker:
         self.placement = sharding.replicated(self.mesh)  # rows, tokens, the step's buffer
         if self._loaded is None:
             self._loaded = load_model(init.model, init.dtype, scan_layers=init.scan_layers,
-                                      mesh=self.mesh)
+                                      mesh=self.mesh, load_format=init.load_format)
         config, self.graphdef, self.state = self._loaded
         if is_scanned(self.state) != init.scan_layers:
             raise ValueError(f"scan_layers={init.scan_layers} but the given model was loaded "

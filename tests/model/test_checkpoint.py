@@ -9,26 +9,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
+from jax.sharding import Mesh, SingleDeviceSharding
 
 from jaxserve.config import ModelConfig
 from jaxserve.model.checkpoint import (METADATA_FILE, check_metadata, read_metadata,
                                        restore_params, save_params)
-from jaxserve.model.loader import abstract_model
+from jaxserve.model import sharding
+from jaxserve.model.loader import abstract_model, load_model, save_model_checkpoint
 
 CONFIG = ModelConfig(
     architecture="LlamaForCausalLM", vocab_size=128, hidden_size=64, intermediate_size=96,
     num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5,
     rope_theta=10000.0, max_position_embeddings=256, tie_word_embeddings=False)
-
-# Tensor-parallel layout over a 'tp' mesh axis: column-parallel matrices
-# ([D, X] inputs of a product) split on their last axis, row-parallel ones
-# ([X, D] outputs) on their first, the embedding over the vocabulary, norms
-# replicated. Keyed by the parameter's name; scanned layers add a leading None.
-TP_SPECS = {"qkv_proj": P(None, "tp"), "gate_up_proj": P(None, "tp"), "lm_head": P(None, "tp"),
-            "o_proj": P("tp", None), "down_proj": P("tp", None), "embed": P("tp", None),
-            "weight": P()}
-
 
 def random_params(config: ModelConfig, dtype, scan_layers: bool, seed: int = 0) -> dict:
     """The model's parameter pytree (pure dict) filled with fresh normal draws, on device 0."""
@@ -40,18 +32,16 @@ def random_params(config: ModelConfig, dtype, scan_layers: bool, seed: int = 0) 
 
 
 def tp_target(params: dict, mesh: Mesh, scan_layers: bool) -> dict:
-    """ShapeDtypeStructs of ``params`` carrying the TP_SPECS shardings over ``mesh``."""
-    def leaf(path, x):
-        spec = TP_SPECS[path[-1].key]
-        if scan_layers and path[0].key == "layers":
-            spec = P(None, *spec)  # the stacked [L] axis stays whole
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
-    return jax.tree_util.tree_map_with_path(leaf, params)
+    """ShapeDtypeStructs of ``params`` carrying the tensor-parallel shardings over ``mesh``
+    (``jaxserve.model.sharding``: the layout the worker uses)."""
+    del scan_layers  # the layout counts split axes from the end: [L] stays whole
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        params, sharding.param_shardings(params, mesh, CONFIG.vocab_size))
 
 
 def single_device_target(params: dict) -> dict:
-    sharding = SingleDeviceSharding(jax.devices()[0])
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), params)
+    one = SingleDeviceSharding(jax.devices()[0])
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one), params)
 
 
 def assert_bitwise_equal(restored: dict, original: dict) -> None:
@@ -191,3 +181,31 @@ def test_unfinished_or_missing_checkpoint_is_named(tmp_path):
         read_metadata(tmp_path)
     with pytest.raises(FileNotFoundError, match="not a jaxserve checkpoint"):
         restore_params(tmp_path, {})
+
+
+# --------------------------------------------- a servable checkpoint directory
+def test_save_model_checkpoint_restores_bitwise_into_its_mesh(tmp_path):
+    from tests.model.hf_tiny import make_tiny_model
+
+    make_tiny_model("Qwen2ForCausalLM", tmp_path / "hf", num_attention_heads=8,
+                    num_key_value_heads=2, intermediate_size=128)
+    (tmp_path / "hf" / "tokenizer.json").write_text("{}")  # copied along, not read here
+    mesh = sharding.make_mesh(2)
+    out = save_model_checkpoint(tmp_path / "hf", tmp_path / "ckpt", "float32", mesh=mesh)
+    assert (out / METADATA_FILE).is_file() and (out / "config.json").is_file()
+    assert (out / "tokenizer.json").is_file() and not list(out.glob("*.safetensors"))
+    config, _, converted = load_model(tmp_path / "hf", "float32", mesh=mesh)
+    restored_config, _, restored = load_model(out, "float32", mesh=mesh)  # auto: the checkpoint
+    assert restored_config == config
+    assert_bitwise_equal(restored, converted)
+    for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(converted)):
+        assert got.sharding == want.sharding
+    # Another tensor-parallel size groups the fused columns differently: refused.
+    with pytest.raises(ValueError, match="checkpoint config.num_kv_heads is 2, expected 4"):
+        load_model(out, "float32", mesh=sharding.make_mesh(4))  # KV heads replicated at TP=4
+    with pytest.raises(ValueError, match="checkpoint layout"):
+        load_model(out, "float32")
+    with pytest.raises(FileNotFoundError, match="not a jaxserve checkpoint"):
+        load_model(tmp_path / "hf", "float32", mesh=mesh, load_format="orbax")
+    with pytest.raises(ValueError, match="load_format"):
+        load_model(out, "float32", load_format="pickle")
