@@ -32,7 +32,9 @@ def engine(tmp_path_factory):
     make_tiny_model("LlamaForCausalLM", directory, seed=3)
     config = EngineConfig(
         max_model_len=MAX_LEN, seed=1,
-        scheduler=SchedulerConfig(max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=32),
+        # One bucket each (fewer executables to compile): padding does not change what runs.
+        scheduler=SchedulerConfig(max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=32,
+                                  token_buckets=(32,), request_buckets=(MAX_NUM_SEQS,)),
         # 2 full-length sequences' blocks (+ the null block): 4 rows must preempt.
         cache=CacheConfig(block_size=BLOCK, num_kv_blocks=2 * MAX_LEN // BLOCK + 1))
     core = EngineCore(config, InProcessWorker(load_model(directory, "float32")))
