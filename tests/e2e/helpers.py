@@ -10,19 +10,24 @@ tests/conftest.py), which costs tens of seconds on this CPU.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import pathlib
 import time
 from collections.abc import Iterator
 
-from jaxserve.client import Client
+from jaxserve.client import AsyncClient, Client
 from jaxserve.launcher import Launcher, ServeOptions
 from jaxserve.procutil import free_port
 
 READY_TIMEOUT_S = 900.0  # a cold compilation cache compiles every step executable
 # Small engine limits for modules that need few sequences at once.
 SMALL_ENGINE = ("--max-num-seqs", "4", "--max-num-batched-tokens", "64")
+# Short prompts of different lengths for tests that compare servers' tokens.
+PROMPTS = ["The history of the printing press", "def add(a, b):", "Once upon a time",
+           "The three primary colors are", "In 1969, astronauts", "A recipe for pancakes:",
+           "Photosynthesis is the process", "Water boils at"]
 # The demo command's limits (``jaxserve demo``): modules using them share its executables.
 DEMO_ENGINE = ("--max-num-seqs", "1", "--max-num-batched-tokens", "64")
 
@@ -87,3 +92,12 @@ def wait_gone(pids: list[int], timeout: float = 20.0) -> list[int]:
             return []
         time.sleep(0.1)
     return [p for p in pids if process_alive(p)]
+
+
+def generate_concurrently(address: str, prompts: list[str], **params) -> list:
+    """Every prompt at once through the async client; the ``GenerateResult``s in order."""
+    async def generate_all():
+        async with AsyncClient(address, timeout=300) as aclient:
+            return await asyncio.gather(*(aclient.generate(p, **params) for p in prompts))
+
+    return asyncio.run(generate_all())

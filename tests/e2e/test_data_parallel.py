@@ -17,7 +17,6 @@ process (``SMALL_ENGINE`` each).
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import time
@@ -28,15 +27,13 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.client import AsyncClient, Client, JaxServeError
+from jaxserve.client import Client, JaxServeError
 from jaxserve.procutil import free_port
-from tests.e2e.helpers import SMALL_ENGINE, serve, wait_all_blocks_free
+from tests.e2e.helpers import (PROMPTS, SMALL_ENGINE, generate_concurrently, serve,
+                               wait_all_blocks_free)
 
 pytestmark = pytest.mark.slow
 
-PROMPTS = ["The history of the printing press", "def add(a, b):", "Once upon a time",
-           "The three primary colors are", "In 1969, astronauts", "A recipe for pancakes:",
-           "Photosynthesis is the process", "Water boils at"]
 NUM_REQUESTS = 64
 NEW_TOKENS = 8
 LONG = dict(max_tokens=200, temperature=0.0, ignore_eos=True)  # still running at the kill
@@ -76,13 +73,6 @@ def client(server):
         yield c
 
 
-def _generate_concurrently(address: str, prompts: list[str], **params) -> list:
-    async def generate_all():
-        async with AsyncClient(address, timeout=300) as aclient:
-            return await asyncio.gather(*(aclient.generate(p, **params) for p in prompts))
-
-    return asyncio.run(generate_all())
-
 
 def test_two_replicas_share_the_work_and_match_one_replicas_greedy_tokens(
         server, client, demo_model_dir):
@@ -90,7 +80,7 @@ def test_two_replicas_share_the_work_and_match_one_replicas_greedy_tokens(
     port = server.options.metrics_port
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(NUM_REQUESTS)]
     total_blocks = client.model_info().num_kv_blocks_total
-    results = _generate_concurrently(server.address, prompts, temperature=0.0,
+    results = generate_concurrently(server.address, prompts, temperature=0.0,
                                      max_tokens=NEW_TOKENS, ignore_eos=True)
     assert all(r.usage.completion_tokens == NEW_TOKENS for r in results)
     routed = _replica_samples(port, "jaxserve_replica_requests_total")
@@ -134,7 +124,7 @@ def test_a_failed_replica_is_routed_around_until_it_serves_again(server, client)
     deadline = time.monotonic() + SERVING_AGAIN_S
     while True:
         routed = _replica_samples(port, "jaxserve_replica_requests_total")
-        _generate_concurrently(server.address, PROMPTS[:2], max_tokens=4, temperature=0.0)
+        generate_concurrently(server.address, PROMPTS[:2], max_tokens=4, temperature=0.0)
         after = _replica_samples(port, "jaxserve_replica_requests_total")
         if after["1"] > routed["1"]:
             break

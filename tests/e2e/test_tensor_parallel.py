@@ -10,19 +10,16 @@ every KV block is free.
 
 from __future__ import annotations
 
-import asyncio
 
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.client import AsyncClient, Client
-from tests.e2e.helpers import SMALL_ENGINE, serve, wait_all_blocks_free
+from jaxserve.client import Client
+from tests.e2e.helpers import (PROMPTS, SMALL_ENGINE, generate_concurrently, serve,
+                               wait_all_blocks_free)
 
 pytestmark = pytest.mark.slow
 
-PROMPTS = ["The history of the printing press", "def add(a, b):", "Once upon a time",
-           "The three primary colors are", "In 1969, astronauts", "A recipe for pancakes:",
-           "Photosynthesis is the process", "Water boils at"]
 GREEDY = dict(temperature=0.0, max_tokens=8, ignore_eos=True)
 SAMPLED = dict(temperature=0.8, top_p=0.95, seed=11, max_tokens=8, ignore_eos=True)
 
@@ -33,17 +30,10 @@ def server(demo_model_dir):
         yield launcher
 
 
-def _generate_concurrently(address: str, prompts: list[str], **params) -> list:
-    async def generate_all():
-        async with AsyncClient(address, timeout=300) as aclient:
-            return await asyncio.gather(*(aclient.generate(p, **params) for p in prompts))
-
-    return asyncio.run(generate_all())
-
 
 def test_tp3_server_matches_one_device(server, demo_model_dir):
-    greedy = _generate_concurrently(server.address, PROMPTS, **GREEDY)
-    sampled = _generate_concurrently(server.address, PROMPTS, **SAMPLED)
+    greedy = generate_concurrently(server.address, PROMPTS, **GREEDY)
+    sampled = generate_concurrently(server.address, PROMPTS, **SAMPLED)
     with LLM(str(demo_model_dir), max_num_seqs=4, max_num_batched_tokens=64) as llm:
         want = [[list(o.outputs[0].token_ids) for o in llm.generate(
             PROMPTS, SamplingParams(**params), use_tqdm=False)] for params in (GREEDY, SAMPLED)]
