@@ -310,6 +310,30 @@ def join_hosts(num_hosts: int, host_rank: int, coordinator_address: str | None) 
                 coordinator_address, jax.device_count(), jax.local_device_count())
 
 
+LEAVE_TIMEOUT_S = 10.0  # how long a multi-host worker waits for its peers at exit
+
+
+def leave_hosts(timeout: float = LEAVE_TIMEOUT_S) -> None:
+    """Leaves the multi-host JAX job: ``jax.distributed.shutdown``, a barrier of every process.
+
+    With a peer gone (killed; its group failed) the barrier would wait for it
+    for minutes (JAX's shutdown and heartbeat timeouts), so after ``timeout``
+    seconds the process exits at once (``os._exit(0)``): the engine has
+    already released it (Shutdown), and nothing is left to save.
+    """
+    import jax
+
+    done = threading.Thread(target=jax.distributed.shutdown, daemon=True,
+                            name="leave-hosts")
+    done.start()
+    done.join(timeout)
+    if done.is_alive():
+        logger.warning("the other hosts did not leave within %.0f s (one is gone?); exiting",
+                       timeout)
+        logging.shutdown()
+        os._exit(0)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jaxserve.worker.server", allow_abbrev=False,
                                      description="jaxserve's worker (device) process")
@@ -346,7 +370,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         join_hosts(args.num_hosts, args.host_rank, args.coordinator_address)
     except ValueError as err:
         parser.error(str(err))
-    return serve(args.address, exit_with_parent=args.exit_with_parent, announce=announce)
+    status = serve(args.address, exit_with_parent=args.exit_with_parent, announce=announce)
+    if args.num_hosts > 1:
+        leave_hosts()
+    return status
 
 
 if __name__ == "__main__":
