@@ -72,15 +72,20 @@ class WorkerGroup:
             report different geometries.
         """
         self._check_alive()
-        with concurrent.futures.ThreadPoolExecutor(len(self.workers)) as pool:
-            futures = [pool.submit(w.initialize, init) for w in self.workers]
-            try:
-                for future in concurrent.futures.as_completed(futures):
-                    future.result()
-            except BaseException as err:
-                self._fail(err if isinstance(err, WorkerDiedError) else None,
-                           f"initialize failed: {err}")
-                raise
+        pool = concurrent.futures.ThreadPoolExecutor(len(self.workers),
+                                                     thread_name_prefix="worker-group-init")
+        futures = [pool.submit(w.initialize, init) for w in self.workers]
+        try:
+            for future in concurrent.futures.as_completed(futures):
+                future.result()
+        except BaseException as err:
+            self._fail(err if isinstance(err, WorkerDiedError) else None,
+                       f"initialize failed: {err}")
+            raise
+        finally:
+            # On failure a rank this side cannot kill may still wait in a collective
+            # (until JAX's heartbeat ends it): do not wait for its call here.
+            pool.shutdown(wait=False)
         geometries = [f.result() for f in futures]
         if any(g != geometries[0] for g in geometries):
             self._fail(None, "ranks report different geometries")
