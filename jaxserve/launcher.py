@@ -19,6 +19,14 @@ pairs (data-parallel replicas), named ``engine-0``, ``worker-0``, ...,
 it routes each request to one of them (``jaxserve.api.engine_group``) and
 reports SERVING once every replica is ready.
 
+With ``num_worker_hosts`` H > 1 each replica's worker is H local worker
+processes joined as one multi-host worker (``--num-hosts H --host-rank h
+--coordinator-address 127.0.0.1:<free port>``), named ``worker-h0`` ..
+(``worker-<r>-h<h>`` with replicas); the engine gets one ``--worker-address``
+and ``--worker-pid`` per rank, rank 0 first (``jaxserve.engine.worker_group``).
+This is multi-host on one machine, for tests and development; on real hosts
+the workers are started by hand (docs/scale_out.md, "Multi-host").
+
 The worker binds a free port and announces it on stdout; the engine gets
 that address and its process id. The engine's port is picked by the
 launcher (``free_port``). The engine supervises its worker: when it dies or
@@ -89,10 +97,15 @@ class ServeOptions:
     in_process_worker: bool = False  # run the model inside the engine process (development)
     generation_config: str = "auto"  # default sampling: auto / vllm / a directory (api process)
     data_parallel_size: int = 1  # engine + worker replicas behind the one api process
+    num_worker_hosts: int = 1  # worker processes per replica, joined as one multi-host worker
 
     def __post_init__(self) -> None:
         if self.data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
+        if self.num_worker_hosts < 1:
+            raise ValueError(f"num_worker_hosts must be >= 1, got {self.num_worker_hosts}")
+        if self.num_worker_hosts > 1 and self.in_process_worker:
+            raise ValueError("num_worker_hosts > 1 needs worker processes, not in_process_worker")
 
 
 def _env() -> dict[str, str]:
@@ -155,14 +168,19 @@ class Launcher:
         env = _env()
         # The engine and worker outlive a group-wide SIGTERM for the api's drain.
         env[SHUTDOWN_GRACE_ENV] = str(opts.shutdown_grace + _STOP_TIMEOUT_S)
-        size = opts.data_parallel_size
-        workers = []
-        if not opts.in_process_worker:  # all replicas load and compile at once
-            workers = [self._spawn(self.replica_name("worker", r), [
-                sys.executable, "-m", "jaxserve.worker.server", "--address", "127.0.0.1:0",
-                "--exit-with-parent", "--log-level", opts.log_level], env,
-                stdout=subprocess.PIPE) for r in range(size)]
-        self.engine_addresses = [f"127.0.0.1:{port}" for port in _distinct_free_ports(size)]
+        size, hosts = opts.data_parallel_size, opts.num_worker_hosts
+        ports = _distinct_free_ports(size * (2 if hosts > 1 else 1))
+        workers = []  # [replica][host rank]
+        if not opts.in_process_worker:  # all replicas (and hosts) load and compile at once
+            for r in range(size):
+                group = [] if hosts == 1 else ["--num-hosts", str(hosts), "--coordinator-address",
+                                               f"127.0.0.1:{ports[size + r]}"]
+                workers.append([self._spawn(self.worker_name(r, h), [
+                    sys.executable, "-m", "jaxserve.worker.server", "--address", "127.0.0.1:0",
+                    "--exit-with-parent", "--log-level", opts.log_level, *group,
+                    *(["--host-rank", str(h)] if group else [])], env,
+                    stdout=subprocess.PIPE) for h in range(hosts)])
+        self.engine_addresses = [f"127.0.0.1:{port}" for port in ports[:size]]
         api_cmd = [sys.executable, "-m", "jaxserve.api.server"]
         for engine_address in self.engine_addresses:
             api_cmd += ["--engine-address", engine_address]
@@ -191,14 +209,21 @@ class Launcher:
             if not workers:
                 engine_cmd.append("--in-process-worker")
             else:
-                self.worker_addresses.append(_read_announcement(workers[r]))
-                engine_cmd += ["--worker-address", self.worker_addresses[r], "--worker-pid",
-                               str(workers[r].pid)]
+                for rank, proc in enumerate(workers[r]):
+                    address = _read_announcement(proc)
+                    if rank == 0:
+                        self.worker_addresses.append(address)
+                    engine_cmd += ["--worker-address", address, "--worker-pid", str(proc.pid)]
             self._spawn(self.replica_name("engine", r), engine_cmd, env)
 
     def replica_name(self, kind: str, replica: int) -> str:
         """The ``processes`` key of replica ``replica``'s ``kind`` ("engine" or "worker")."""
         return kind if self.options.data_parallel_size == 1 else f"{kind}-{replica}"
+
+    def worker_name(self, replica: int, host: int) -> str:
+        """The ``processes`` key of host rank ``host`` of replica ``replica``'s worker."""
+        name = self.replica_name("worker", replica)
+        return name if self.options.num_worker_hosts == 1 else f"{name}-h{host}"
 
     def _spawn(self, name: str, cmd: list[str], env: dict[str, str],
                stdout: int | None = None) -> subprocess.Popen:

@@ -57,6 +57,14 @@ def data_parallel_size(text: str) -> int:
     return value
 
 
+def _num_worker_hosts(text: str) -> int:
+    """``--num-worker-hosts``: an int >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_server_arguments(parser)
     parser.add_argument("--data-parallel-size", "-dp", type=data_parallel_size, default=1,
@@ -65,6 +73,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "process; each request goes to the replica with the fewest "
                              "requests in flight (default 1; every replica gets the engine "
                              "flags above and its own KV cache)")
+    parser.add_argument("--num-worker-hosts", type=_num_worker_hosts, default=1, metavar="H",
+                        help="start H local worker processes per replica, joined as one "
+                             "multi-host worker (jax.distributed): multi-host on one machine, "
+                             "for testing; -tp then counts every process's devices (default 1; "
+                             "docs/scale_out.md)")
     parser.add_argument("--port", type=int, default=50051, help="gRPC port (default 50051)")
     parser.add_argument("--http-port", type=int, default=8000,
                         help="OpenAI-compatible HTTP API port (default 8000)")
@@ -100,7 +113,8 @@ def serve_options(args: argparse.Namespace, **overrides: object):
                   engine_flags=tuple(engine_flags(args)), log_level=args.log_level,
                   in_process_worker=args.in_process_worker,
                   generation_config=args.generation_config,
-                  data_parallel_size=getattr(args, "data_parallel_size", 1))
+                  data_parallel_size=getattr(args, "data_parallel_size", 1),
+                  num_worker_hosts=getattr(args, "num_worker_hosts", 1))
     values.update(overrides)
     return ServeOptions(**values)
 

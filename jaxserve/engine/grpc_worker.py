@@ -35,6 +35,7 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Sequence
 
 import grpc
 
@@ -265,23 +266,44 @@ def _runs_worker(pid: int) -> bool:
 
 def start_worker_process(address: str = "127.0.0.1:0", *, compilation_cache_dir: str | None = None,
                          log_level: str = "INFO", env: dict[str, str] | None = None,
-                         start_timeout: float = 120.0, **worker_kwargs) -> GrpcWorker:
+                         start_timeout: float = 120.0, extra_args: Sequence[str] = (),
+                         **worker_kwargs) -> GrpcWorker:
     """Starts ``python -m jaxserve.worker.server`` and returns a ``GrpcWorker`` for it.
 
     Waits until the process announces its address (``LISTENING_PREFIX``);
     the worker exits with this process (``--exit-with-parent``). stderr is
     inherited (the worker's logs); ``GrpcWorker.shutdown`` stops it.
+    ``extra_args``: more worker flags (``--num-hosts`` ...).
 
     Raises:
       WorkerDiedError: the process exited, or did not announce itself within
         ``start_timeout`` seconds (it is then killed).
     """
+    proc = spawn_worker_process(address, compilation_cache_dir=compilation_cache_dir,
+                                log_level=log_level, env=env, extra_args=extra_args)
+    return attach_worker_process(proc, start_timeout, **worker_kwargs)
+
+
+def spawn_worker_process(address: str = "127.0.0.1:0", *, compilation_cache_dir: str | None = None,
+                         log_level: str = "INFO", env: dict[str, str] | None = None,
+                         extra_args: Sequence[str] = ()) -> subprocess.Popen:
+    """Starts ``python -m jaxserve.worker.server`` (stdout piped, for its announcement)."""
     cmd = [sys.executable, "-m", "jaxserve.worker.server", "--address", address,
-           "--exit-with-parent", "--log-level", log_level]
+           "--exit-with-parent", "--log-level", log_level, *extra_args]
     if compilation_cache_dir:
         cmd += ["--compilation-cache-dir", compilation_cache_dir]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True,
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True,
                             env=dict(os.environ, **(env or {})))
+
+
+def attach_worker_process(proc: subprocess.Popen, start_timeout: float = 120.0,
+                          **worker_kwargs) -> GrpcWorker:
+    """A ``GrpcWorker`` for a process of ``spawn_worker_process``, once it announces itself.
+
+    Raises:
+      WorkerDiedError: the process exited, or did not announce itself within
+        ``start_timeout`` seconds (it is then killed).
+    """
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.append(proc.stdout.readline()), daemon=True)
     reader.start()
@@ -296,4 +318,3 @@ def start_worker_process(address: str = "127.0.0.1:0", *, compilation_cache_dir:
     logger.info("worker process %d listening on %s", proc.pid, bound)
     threading.Thread(target=proc.stdout.read, daemon=True).start()  # drain, never block it
     return GrpcWorker(bound, process=proc, **worker_kwargs)
-

@@ -3,6 +3,11 @@
     python -m jaxserve.engine.service --address 127.0.0.1:50061 \\
         --worker-address 127.0.0.1:50062 --model DIR [engine flags]
 
+A multi-host worker (docs/scale_out.md, "Multi-host") is one
+``--worker-address`` per host, rank 0 first, reached through
+``jaxserve.engine.worker_group.WorkerGroup``; it is never restarted: a
+failed group stops the engine as a worker failure with no restart left does.
+
 Started by ``jaxserve serve`` (``jaxserve.launcher``); the api process is its
 only client (``proto/jaxserve/engine.proto`` documents the service). The
 worker is the worker process, reached through
@@ -52,6 +57,7 @@ from jaxserve.engine.config import SERVED_DTYPES, CacheConfig, EngineConfig, Sch
 from jaxserve.engine.core import EngineCore
 from jaxserve.engine.grpc_worker import GrpcWorker, start_worker_process
 from jaxserve.engine.loop import EngineDeadError, EngineLoop, OutputBatch
+from jaxserve.engine.worker_group import WorkerGroup
 from jaxserve.procutil import StopSignal, setup_logging, shutdown_grace
 from jaxserve.proto import engine_pb2 as epb
 from jaxserve.proto import engine_pb2_grpc as epb_grpc
@@ -353,7 +359,11 @@ def _make_worker(args: argparse.Namespace):
 
         logger.warning("running the worker in the engine process (--in-process-worker)")
         return InProcessWorker()
-    return GrpcWorker(args.worker_address, step_timeout=args.step_timeout, pid=args.worker_pid)
+    addresses, pids = args.worker_address, args.worker_pid or []
+    workers = [GrpcWorker(address, step_timeout=args.step_timeout,
+                          pid=pids[rank] if rank < len(pids) else None)
+               for rank, address in enumerate(addresses)]
+    return workers[0] if len(workers) == 1 else WorkerGroup(workers)
 
 
 # How long a restarted worker process may take to import jax and listen (seconds).
@@ -399,11 +409,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      description="jaxserve's engine process")
     parser.add_argument("--address", required=True, help="HOST:PORT to serve EngineService on")
     worker = parser.add_mutually_exclusive_group(required=True)
-    worker.add_argument("--worker-address", help="HOST:PORT of the worker process")
+    worker.add_argument("--worker-address", action="append",
+                        help="HOST:PORT of the worker process; repeated: the hosts of one "
+                             "multi-host worker group, rank 0 first (docs/scale_out.md)")
     worker.add_argument("--in-process-worker", action="store_true",
                         help="run the model in this process (development and tests)")
-    parser.add_argument("--worker-pid", type=int, default=None,
-                        help="the worker process's id (lets the engine kill it when it hangs)")
+    parser.add_argument("--worker-pid", type=int, action="append",
+                        help="the worker process's id (lets the engine kill it when it hangs); "
+                             "repeated: one per --worker-address, in the same order")
     parser.add_argument("--log-level", default="INFO")
     add_engine_arguments(parser)
     args = parser.parse_args(argv)
@@ -415,7 +428,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         logger.error("engine failed to start: %s", err)
         return 1
     stop = StopSignal()
-    restart = None if args.in_process_worker else worker_restarter(args)
+    group = not args.in_process_worker and len(args.worker_address) > 1
+    if group and args.max_worker_restarts:
+        logger.warning("a multi-host worker group is not restarted: its failure is final "
+                       "(--max-worker-restarts %d ignored)", args.max_worker_restarts)
+    restart = None if args.in_process_worker or group else worker_restarter(args)
     server = EngineServer(core, args.address, restart=restart,
                           max_restarts=args.max_worker_restarts,
                           gave_up=stop.event)  # giving up stops the process, like a signal

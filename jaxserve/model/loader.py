@@ -248,7 +248,7 @@ def load_model(model_dir: str | os.PathLike | None = None, dtype: str | jnp.dtyp
     index = _SafetensorsIndex(path)
     # With a mesh, tensors are combined on the host (JAX's CPU device), then each
     # device receives its slice; without, on the default device.
-    host = None if mesh is None else jax.devices("cpu")[0]
+    host = None if mesh is None else jax.local_devices(backend="cpu")[0]
     filled = {}
     for param_path, abstract in state.flat_state():
         with jax.default_device(host):
@@ -258,7 +258,7 @@ def load_model(model_dir: str | os.PathLike | None = None, dtype: str | jnp.dtyp
                 f"{'.'.join(map(str, param_path))} from {names}: shape {value.shape}, "
                 f"expected {abstract.shape}")
         target = None if shardings is None else _at_path(shardings, param_path)
-        filled[param_path] = jax.device_put(value, target)
+        filled[param_path] = sharding.place(value, target)
     state = nnx.from_flat_state([(p, v.replace(filled[p])) for p, v in state.flat_state()])
     params = nnx.to_pure_dict(state)
     logger.info("loaded %s (%s, %d layers, TP=%d) in %.1f s", path, config.architecture,

@@ -11,6 +11,11 @@ compiles every executable of the ladders (``executables`` +
 ``compile_manager``; or loads them from the persistent compilation cache)
 and arms the recompile guard.
 
+In a multi-host worker (``jaxserve.worker.server --num-hosts``) the mesh spans
+every host's devices; each process places only its own shards of host data
+(``sharding.place``) and reads its own copy of replicated results, and all
+processes agree on the KV cache size.
+
 ``submit(plan)`` dispatches a step and returns at once with a
 ``PendingStep``; ``execute(plan)`` is ``submit(plan).result()``. Dispatching:
 
@@ -51,6 +56,7 @@ import time
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from jaxserve.model import sharding
 from jaxserve.model.attention import default_backend
@@ -131,7 +137,7 @@ def upload(tree, placement=None):
     ``placement``: where the arrays go (the worker's replicated sharding on a
     mesh); None: the default device.
     """
-    return jax.device_put(tree, placement)
+    return sharding.place(tree, placement)
 
 
 def fetch(tree):
@@ -176,6 +182,11 @@ class InProcessWorker:
                              f"{init.max_num_seqs}")
         configure_persistent_cache(init.compilation_cache_dir)
         self.mesh = sharding.make_mesh(init.tensor_parallel_size)
+        if jax.process_count() > 1 and (self.mesh is None or len(
+                {d.process_index for d in self.mesh.devices.flat}) < jax.process_count()):
+            raise ValueError(f"tensor_parallel_size={init.tensor_parallel_size} leaves hosts of "
+                             f"this {jax.process_count()}-host worker without devices; use "
+                             f"{jax.device_count()} (every host's devices)")
         self.placement = sharding.replicated(self.mesh)  # rows, tokens, the step's buffer
         if self._loaded is None:
             self._loaded = load_model(init.model, init.dtype, scan_layers=init.scan_layers,
@@ -197,21 +208,24 @@ class InProcessWorker:
                              config.eos_token_ids)
         self.backend = init.attention_backend or default_backend()
         # The persistent rows first: automatic KV sizing counts them as in use.
-        self.device_rows = jax.device_put(ds.host_rows(self.rows), self.placement)
-        self.last_token = jax.device_put(np.zeros(m + 1, np.int32), self.placement)
-        self.penalty = jax.device_put(ds.PenaltyState(
+        self.device_rows = sharding.place(ds.host_rows(self.rows), self.placement)
+        self.last_token = sharding.place(np.zeros(m + 1, np.int32), self.placement)
+        self.penalty = sharding.place(ds.PenaltyState(
             np.zeros((m + 1, config.vocab_size), bool),
             np.zeros((m + 1, config.vocab_size), np.int32)), self.placement)
         hidden = jax.ShapeDtypeStruct((m, config.hidden_size), dtype, sharding=self.placement)
         shapes = lambda kv: LadderShapes(self.graphdef, self.state, kv, self.rows,  # noqa: E731
                                          hidden, self.backend, self.placement)
-        devices = jax.devices()[:1] if self.mesh is None else list(self.mesh.devices.flat)
+        devices = (jax.devices()[:1] if self.mesh is None else  # this process's: multi-host
+                   [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()])
         num_blocks = num_kv_blocks(
             num_blocks=init.num_kv_blocks, kv_cache_bytes=init.kv_cache_bytes,
             bytes_per_block=kv_cache_bytes_per_block(config, init.block_size, dtype)
             // init.tensor_parallel_size,  # one device's share: K / TP heads
             memory=device_memory(devices), utilization=init.memory_utilization,
             activation_bytes=lambda: self._activation_bytes(shapes(self._kv_spec(2, dtype))))
+        if jax.process_count() > 1:  # every host of a multi-host mesh allocates the same cache
+            num_blocks = int(multihost_utils.process_allgather(np.int64(num_blocks)).min())
         if num_blocks < 2:
             raise ValueError(f"the KV cache must have >= 2 blocks, got {num_blocks}")
         self.kv_cache = init_kv_cache(config, num_blocks, init.block_size, dtype,

@@ -1,7 +1,17 @@
 """The worker process: ``InProcessWorker`` served as ``jaxserve.worker.WorkerService``.
 
     python -m jaxserve.worker.server --address 127.0.0.1:50062 \\
-        [--compilation-cache-dir DIR] [--exit-with-parent] [--log-level INFO]
+        [--compilation-cache-dir DIR] [--exit-with-parent] [--log-level INFO] \\
+        [--num-hosts N --host-rank r --coordinator-address HOST:PORT]
+
+Multi-host (docs/scale_out.md, "Multi-host"): with ``--num-hosts`` N > 1 the
+process first joins a JAX multi-controller job of N processes
+(``jax.distributed.initialize``; on CPU over gloo collectives), before any
+other use of JAX, so ``jax.devices()`` lists every host's devices and a
+tensor-parallel mesh spans them. Every process of the group serves its own
+address and must receive the same ``Initialize`` and the same plans in the
+same order (``jaxserve.engine.worker_group.WorkerGroup``); each runs the same
+executables, and XLA's collectives join them.
 
 Life cycle (proto/jaxserve/worker.proto documents the service):
 
@@ -274,6 +284,56 @@ def serve(address: str, *, exit_with_parent: bool = False,
     return 0
 
 
+def join_hosts(num_hosts: int, host_rank: int, coordinator_address: str | None) -> None:
+    """Joins the multi-controller JAX job of ``num_hosts`` processes (nothing for one).
+
+    Must run before anything else uses JAX (it fixes the backends' device
+    lists). Blocks until every process has joined (at most
+    ``jax.distributed.initialize``'s timeout, 300 s).
+
+    Raises:
+      ValueError: a rank outside ``[0, num_hosts)`` or no coordinator address.
+    """
+    if num_hosts == 1:
+        return
+    if not 0 <= host_rank < num_hosts:
+        raise ValueError(f"--host-rank must be in [0, {num_hosts}), got {host_rank}")
+    if not coordinator_address:
+        raise ValueError("--num-hosts > 1 needs --coordinator-address HOST:PORT")
+    import jax
+
+    # CPU devices of different processes talk over gloo (no collectives without it).
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=coordinator_address,
+                               num_processes=num_hosts, process_id=host_rank)
+    logger.info("host %d of %d joined %s: %d devices in all, %d here", host_rank, num_hosts,
+                coordinator_address, jax.device_count(), jax.local_device_count())
+
+
+LEAVE_TIMEOUT_S = 10.0  # how long a multi-host worker waits for its peers at exit
+
+
+def leave_hosts(timeout: float = LEAVE_TIMEOUT_S) -> None:
+    """Leaves the multi-host JAX job: ``jax.distributed.shutdown``, a barrier of every process.
+
+    With a peer gone (killed; its group failed) the barrier would wait for it
+    for minutes (JAX's shutdown and heartbeat timeouts), so after ``timeout``
+    seconds the process exits at once (``os._exit(0)``): the engine has
+    already released it (Shutdown), and nothing is left to save.
+    """
+    import jax
+
+    done = threading.Thread(target=jax.distributed.shutdown, daemon=True,
+                            name="leave-hosts")
+    done.start()
+    done.join(timeout)
+    if done.is_alive():
+        logger.warning("the other hosts did not leave within %.0f s (one is gone?); exiting",
+                       timeout)
+        logging.shutdown()
+        os._exit(0)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jaxserve.worker.server", allow_abbrev=False,
                                      description="jaxserve's worker (device) process")
@@ -285,8 +345,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--exit-with-parent", action="store_true",
                         help="exit when the parent process exits")
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--num-hosts", type=int, default=1,
+                        help="processes (hosts) of one multi-host worker group (default 1)")
+    parser.add_argument("--host-rank", type=int, default=0,
+                        help="this process's rank in the group, 0 .. N-1 (rank 0 runs the "
+                             "coordinator)")
+    parser.add_argument("--coordinator-address", default=None,
+                        help="HOST:PORT of the group's JAX coordinator, on rank 0's host; "
+                             "the same for every rank")
     args = parser.parse_args(argv)
-    setup_logging("worker", args.log_level)  # as the api and engine processes
+    if args.num_hosts < 1:
+        parser.error(f"--num-hosts must be >= 1, got {args.num_hosts}")
+    setup_logging("worker" if args.num_hosts == 1 else f"worker-{args.host_rank}",
+                  args.log_level)  # as the api and engine processes
     if args.compilation_cache_dir:
         os.environ["JAX_COMPILATION_CACHE_DIR"] = args.compilation_cache_dir
         os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
@@ -295,7 +366,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     def announce(bound: str) -> None:
         print(f"{LISTENING_PREFIX} {bound}", flush=True)  # CLI output: the launcher reads it
 
-    return serve(args.address, exit_with_parent=args.exit_with_parent, announce=announce)
+    try:
+        join_hosts(args.num_hosts, args.host_rank, args.coordinator_address)
+    except ValueError as err:
+        parser.error(str(err))
+    status = serve(args.address, exit_with_parent=args.exit_with_parent, announce=announce)
+    if args.num_hosts > 1:
+        leave_hosts()
+    return status
 
 
 if __name__ == "__main__":
