@@ -108,6 +108,31 @@ class ServeOptions:
             raise ValueError("num_worker_hosts > 1 needs worker processes, not in_process_worker")
 
 
+def _tensor_parallel_size(engine_flags: tuple[str, ...]) -> int:
+    """The ``--tensor-parallel-size`` / ``-tp`` among the engine flags (1 when absent)."""
+    for i, flag in enumerate(engine_flags):
+        if flag in ("--tensor-parallel-size", "-tp") and i + 1 < len(engine_flags):
+            return int(engine_flags[i + 1])
+        if flag.startswith("--tensor-parallel-size="):
+            return int(flag.split("=", 1)[1])
+    return 1
+
+
+def device_env(env: dict[str, str], process: int, devices_per_process: int) -> dict[str, str]:
+    """``env`` with the GPUs of this host's ``process``-th worker process (0, 1, ...).
+
+    Process p gets CUDA devices ``p·k .. (p + 1)·k − 1`` (k =
+    ``devices_per_process``) — of those ``CUDA_VISIBLE_DEVICES`` already lists,
+    when it is set — so data-parallel replicas (and local multi-host ranks)
+    never share a GPU. On a host without GPUs the variable is ignored.
+    """
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    ids = ([v for v in visible.split(",") if v.strip()] if visible
+           else [str(i) for i in range((process + 1) * devices_per_process)])
+    mine = ids[process * devices_per_process:(process + 1) * devices_per_process]
+    return {**env, "CUDA_VISIBLE_DEVICES": ",".join(mine)}
+
+
 def _env() -> dict[str, str]:
     from jaxserve.demo_model import cache_root
 
@@ -170,6 +195,10 @@ class Launcher:
         env[SHUTDOWN_GRACE_ENV] = str(opts.shutdown_grace + _STOP_TIMEOUT_S)
         size, hosts = opts.data_parallel_size, opts.num_worker_hosts
         ports = _distinct_free_ports(size * (2 if hosts > 1 else 1))
+        # With several worker processes on this host, each gets its own GPUs.
+        per_process = max(1, _tensor_parallel_size(opts.engine_flags) // hosts)
+        replica_env = [env] * size if size * hosts == 1 else [
+            device_env(env, r * hosts, per_process) for r in range(size)]
         workers = []  # [replica][host rank]
         if not opts.in_process_worker:  # all replicas (and hosts) load and compile at once
             for r in range(size):
@@ -178,7 +207,8 @@ class Launcher:
                 workers.append([self._spawn(self.worker_name(r, h), [
                     sys.executable, "-m", "jaxserve.worker.server", "--address", "127.0.0.1:0",
                     "--exit-with-parent", "--log-level", opts.log_level, *group,
-                    *(["--host-rank", str(h)] if group else [])], env,
+                    *(["--host-rank", str(h)] if group else [])],
+                    env if size * hosts == 1 else device_env(env, r * hosts + h, per_process),
                     stdout=subprocess.PIPE) for h in range(hosts)])
         self.engine_addresses = [f"127.0.0.1:{port}" for port in ports[:size]]
         api_cmd = [sys.executable, "-m", "jaxserve.api.server"]
@@ -214,7 +244,8 @@ class Launcher:
                     if rank == 0:
                         self.worker_addresses.append(address)
                     engine_cmd += ["--worker-address", address, "--worker-pid", str(proc.pid)]
-            self._spawn(self.replica_name("engine", r), engine_cmd, env)
+            # (the engine starts a replacement worker in its own environment)
+            self._spawn(self.replica_name("engine", r), engine_cmd, replica_env[r])
 
     def replica_name(self, kind: str, replica: int) -> str:
         """The ``processes`` key of replica ``replica``'s ``kind`` ("engine" or "worker")."""

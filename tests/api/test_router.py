@@ -72,3 +72,4 @@ def test_random_traffic_always_picks_a_least_loaded_replica():
         assert replica == before.index(min(before))  # ties: the lowest index
         assert sum(router.in_flight) == len(live)
     assert all(router.replica_of(r) is not None for r in live)
+
