@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import logging
 
+from jaxserve.engine.service import positive_int
+
 logger = logging.getLogger(__name__)
 
 
@@ -25,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="parameter dtype (default float32)")
     parser.add_argument("--scan-layers", action="store_true",
                         help="stack the layers (for a server run with --scan-layers)")
-    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+    parser.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1,
                         help="the tensor-parallel size the checkpoint is for (default 1)")
     parser.add_argument("--force", action="store_true",
                         help="replace a checkpoint already in --output")
@@ -34,6 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from jaxserve.model.loader import save_model_checkpoint
     from jaxserve.model.sharding import make_mesh
+
+    if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
+        logging.getLogger("absl").setLevel(logging.WARNING)  # Orbax's per-step INFO lines
 
     try:
         mesh = make_mesh(args.tensor_parallel_size)

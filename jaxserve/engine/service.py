@@ -275,7 +275,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scan-layers", action="store_true",
                         help="run the layers with jax.lax.scan over stacked weights: compiles "
                              "~4x faster, decodes ~1.3x slower on the CPU (docs/model.md)")
-    parser.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1,
+    parser.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1,
                         help="devices the worker splits the model and KV cache over (default "
                              "1; docs/scale_out.md)")
     parser.add_argument("--load-format", choices=("auto", "safetensors", "orbax"),
@@ -299,7 +299,8 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
+    """An argparse type: an int >= 1."""
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")

@@ -80,11 +80,7 @@ def save_params(directory: str | os.PathLike, params: dict, *, config: ModelConf
             "dtype": str(np.dtype(dtype)), "scan_layers": bool(scan_layers),
             "layout": layout}
     text = json.dumps(meta, indent=1, sort_keys=True)  # fails here, before any write, if not JSON
-    if directory.exists() and any(directory.iterdir()):
-        if not (directory / METADATA_FILE).is_file() and not (directory / PARAMS_DIR).is_dir():
-            raise FileExistsError(f"{directory} is not empty and holds no jaxserve checkpoint")
-        if not force:
-            raise FileExistsError(f"{directory} already holds a checkpoint; pass force=True to replace it")
+    if check_destination(directory, force):
         if jax.process_index() == 0:
             (directory / METADATA_FILE).unlink(missing_ok=True)  # incomplete until rewritten
     if jax.process_count() > 1:  # every host has checked before any host writes
@@ -94,6 +90,27 @@ def save_params(directory: str | os.PathLike, params: dict, *, config: ModelConf
         checkpointer.wait_until_finished()
     if jax.process_index() == 0:
         (directory / METADATA_FILE).write_text(text + "\n")
+
+
+def check_destination(directory: str | os.PathLike, force: bool) -> bool:
+    """Whether ``directory`` holds a checkpoint ``force`` may replace; raises if it cannot be written.
+
+    Raises:
+      FileExistsError: ``directory`` is a file; or it is not empty and holds
+        no jaxserve checkpoint (never replaced); or it holds one and ``force``
+        is False.
+    """
+    directory = pathlib.Path(directory)
+    if directory.exists() and not directory.is_dir():
+        raise FileExistsError(f"{directory} is a file, not a directory")
+    if not directory.exists() or not any(directory.iterdir()):
+        return False
+    if not (directory / METADATA_FILE).is_file() and not (directory / PARAMS_DIR).is_dir():
+        raise FileExistsError(f"{directory} is not empty and holds no jaxserve checkpoint")
+    if not force:
+        raise FileExistsError(f"{directory} already holds a checkpoint; replace it with "
+                              f"force=True (jaxserve save-checkpoint --force)")
+    return True
 
 
 def read_metadata(directory: str | os.PathLike) -> dict:

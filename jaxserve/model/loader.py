@@ -239,6 +239,10 @@ def load_model(model_dir: str | os.PathLike | None = None, dtype: str | jnp.dtyp
     has_checkpoint = (path / checkpoint.METADATA_FILE).is_file()
     if load_format == "orbax" or (load_format == "auto" and has_checkpoint):
         return _restore(path, config, dtype, scan_layers, mesh)
+    if has_checkpoint and not any(path.glob("*.safetensors")):
+        raise FileNotFoundError(f"{path} holds a jaxserve parameter checkpoint and no "
+                                f"*.safetensors: load it with load_format 'auto' or 'orbax' "
+                                f"(--load-format)")
     layout = _FusedLayout(checkpoint_config, config.num_kv_heads, tp)
     start = time.perf_counter()
     graphdef, state = nnx.split(nnx.eval_shape(
@@ -275,9 +279,17 @@ def _restore(path: pathlib.Path, config: ModelConfig, dtype: jnp.dtype, scan_lay
              mesh) -> tuple[ModelConfig, StaticGraph, dict]:
     """The directory's parameter checkpoint, restored into the mesh (or onto the default device)."""
     start = time.perf_counter()
-    checkpoint.check_metadata(checkpoint.read_metadata(path), config=config,
-                              dtype=jnp.dtype(dtype).name, scan_layers=scan_layers,
-                              layout=_layout(mesh))
+    meta = checkpoint.read_metadata(path)
+    try:
+        checkpoint.check_metadata(meta, config=config, dtype=jnp.dtype(dtype).name,
+                                  scan_layers=scan_layers, layout=_layout(mesh))
+    except ValueError as err:
+        saved = (meta.get("layout") or {}).get("tensor_parallel_size")
+        raise ValueError(
+            f"{err}: {path} holds parameters converted for tensor_parallel_size={saved}, "
+            f"dtype={meta.get('dtype')}, scan_layers={meta.get('scan_layers')}; serve it with "
+            f"those (-tp, --dtype, --scan-layers) or convert the model again with `jaxserve "
+            f"save-checkpoint`") from None
     graph, target = abstract_model(config, dtype, scan_layers, mesh)
     if mesh is None:
         one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
@@ -316,6 +328,7 @@ def save_model_checkpoint(model_dir: str | os.PathLike | None, output_dir: str |
 
         model_dir = ensure_demo_model()
     model_dir, output_dir = pathlib.Path(model_dir), pathlib.Path(output_dir)
+    checkpoint.check_destination(output_dir, force)  # before the conversion, not after
     config, _, params = load_model(model_dir, dtype, scan_layers, mesh, load_format="safetensors")
     checkpoint.save_params(output_dir, params, config=config,
                            dtype=jnp.dtype(resolve_dtype(dtype)).name, scan_layers=scan_layers,

@@ -65,7 +65,8 @@ def make_mesh(tensor_parallel_size: int, devices=None) -> Mesh | None:
     if len(devices) < tensor_parallel_size:
         raise ValueError(
             f"tensor_parallel_size={tensor_parallel_size} needs {tensor_parallel_size} devices, "
-            f"but only {len(devices)} are visible ({devices[0].platform}); on a CPU, "
+            f"but only {len(devices)} {'is' if len(devices) == 1 else 'are'} visible "
+            f"({devices[0].platform}); on a CPU, "
             f"XLA_FLAGS=--xla_force_host_platform_device_count=N simulates N devices")
     return Mesh(np.array(devices[:tensor_parallel_size]), (TP_AXIS,))
 

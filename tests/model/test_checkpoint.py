@@ -203,8 +203,17 @@ def test_save_model_checkpoint_restores_bitwise_into_its_mesh(tmp_path):
     # Another tensor-parallel size groups the fused columns differently: refused.
     with pytest.raises(ValueError, match="checkpoint config.num_kv_heads is 2, expected 4"):
         load_model(out, "float32", mesh=sharding.make_mesh(4))  # KV heads replicated at TP=4
-    with pytest.raises(ValueError, match="checkpoint layout"):
+    with pytest.raises(ValueError, match="checkpoint layout.*converted for "
+                                         "tensor_parallel_size=2, dtype=float32"):
         load_model(out, "float32")
+    with pytest.raises(FileNotFoundError, match="no \\*.safetensors: load it with load_format"):
+        load_model(out, "float32", mesh=mesh, load_format="safetensors")
+    # The destination is checked before the conversion.
+    (tmp_path / "a_file").write_text("x")
+    with pytest.raises(FileExistsError, match="is a file, not a directory"):
+        save_model_checkpoint(tmp_path / "missing_model", tmp_path / "a_file")
+    with pytest.raises(FileExistsError, match="--force"):
+        save_model_checkpoint(tmp_path / "missing_model", out)
     with pytest.raises(FileNotFoundError, match="not a jaxserve checkpoint"):
         load_model(tmp_path / "hf", "float32", mesh=mesh, load_format="orbax")
     with pytest.raises(ValueError, match="load_format"):
