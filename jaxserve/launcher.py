@@ -162,6 +162,7 @@ class Launcher:
         self.processes: dict[str, subprocess.Popen] = {}
         self.engine_addresses: list[str] = []
         self.worker_addresses: list[str] = []
+        self._engine_of: dict[str, str] = {}  # worker process name -> its engine's
         self._pgid: int | None = None
         self._api_ready = threading.Event()
 
@@ -204,6 +205,8 @@ class Launcher:
             for r in range(size):
                 group = [] if hosts == 1 else ["--num-hosts", str(hosts), "--coordinator-address",
                                                f"127.0.0.1:{ports[size + r]}"]
+                self._engine_of.update({self.worker_name(r, h): self.replica_name("engine", r)
+                                        for h in range(hosts)})
                 workers.append([self._spawn(self.worker_name(r, h), [
                     sys.executable, "-m", "jaxserve.worker.server", "--address", "127.0.0.1:0",
                     "--exit-with-parent", "--log-level", opts.log_level, *group,
@@ -326,6 +329,12 @@ class Launcher:
         for kind in ("api", "engine", "worker"):
             procs = [(name, proc) for name, proc in self.processes.items()
                      if _kind(name) == kind and proc.poll() is None]
+            if kind == "worker":  # a failed engine sends its workers no Shutdown: no wait
+                orphans = [(name, proc) for name, proc in procs if self._engine_failed(name)]
+                for _, proc in orphans:
+                    proc.kill()
+                    proc.wait()
+                procs = [item for item in procs if item not in orphans]
             for _, proc in procs:
                 proc.send_signal(signal.SIGTERM)
             limit = _STOP_TIMEOUT_S + (self.options.shutdown_grace if kind == "api" else 0.0)
@@ -351,6 +360,12 @@ class Launcher:
                 pass
         if self.processes:
             logger.info("server stopped")
+
+
+    def _engine_failed(self, worker_name: str) -> bool:
+        """Whether the engine of worker process ``worker_name`` exited with an error."""
+        engine = self.processes.get(self._engine_of.get(worker_name, ""))
+        return engine is not None and engine.returncode not in (None, 0)
 
 
 def _kind(name: str) -> str:
