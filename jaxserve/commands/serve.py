@@ -13,7 +13,7 @@ import argparse
 import logging
 import os
 
-from jaxserve.engine.service import add_engine_arguments, engine_flags
+from jaxserve.engine.service import add_engine_arguments, engine_flags, positive_int
 from jaxserve.launcher import API_KEY_ENV
 from jaxserve.generation_config import AUTO, generation_config_source
 
@@ -45,35 +45,15 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                              "generation_config.json (default auto)")
 
 
-def data_parallel_size(text: str) -> int:
-    """``--data-parallel-size``: an int >= 1 (argparse reports the error and exits 2)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1 (one engine + worker replica or "
-                                         f"more), got {value}")
-    return value
-
-
-def _num_worker_hosts(text: str) -> int:
-    """``--num-worker-hosts``: an int >= 1."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_server_arguments(parser)
-    parser.add_argument("--data-parallel-size", "-dp", type=data_parallel_size, default=1,
+    parser.add_argument("--data-parallel-size", "-dp", type=positive_int, default=1,
                         metavar="D",
                         help="run D independent engine + worker replicas behind the one api "
                              "process; each request goes to the replica with the fewest "
                              "requests in flight (default 1; every replica gets the engine "
                              "flags above and its own KV cache)")
-    parser.add_argument("--num-worker-hosts", type=_num_worker_hosts, default=1, metavar="H",
+    parser.add_argument("--num-worker-hosts", type=positive_int, default=1, metavar="H",
                         help="start H local worker processes per replica, joined as one "
                              "multi-host worker (jax.distributed): multi-host on one machine, "
                              "for testing; -tp then counts every process's devices (default 1; "

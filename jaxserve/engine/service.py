@@ -300,8 +300,11 @@ def _non_negative_int(text: str) -> int:
 
 
 def positive_int(text: str) -> int:
-    """An argparse type: an int >= 1."""
-    value = int(text)
+    """An argparse type: an int >= 1 (argparse reports the error and exits 2)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
