@@ -24,10 +24,11 @@ import grpc
 import pytest
 
 from jaxserve.client import Client, JaxServeError
-from jaxserve.engine import CacheConfig, EngineConfig, EngineCore, EngineCoreRequest, SchedulerConfig
+from jaxserve.engine import CacheConfig, EngineConfig, EngineCore, SchedulerConfig
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.worker import InProcessWorker
 from tests.e2e.helpers import process_alive, serve
+from tests.engine.drive import generate
 from tests.model.hf_tiny import make_tiny_model
 
 pytestmark = pytest.mark.slow
@@ -66,12 +67,7 @@ def _one_device(model) -> list[list[int]]:
                           cache=CacheConfig(block_size=4, num_kv_blocks=128))
     core = EngineCore(config, InProcessWorker(progress=False))
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    for i, prompt in enumerate(PROMPTS):
-        core.add_request(EngineCoreRequest(f"r{i}", prompt, params))
-    tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(PROMPTS))}
-    while core.has_unfinished_requests():
-        for out in core.step():
-            tokens[out.request_id].extend(out.new_token_ids)
+    tokens = generate(core, PROMPTS, params)
     core.shutdown()
     return [tokens[f"r{i}"] for i in range(len(PROMPTS))]
 

@@ -27,6 +27,7 @@ from jaxserve.engine.worker_group import start_worker_group
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.step_plan import WorkerDiedError
 from jaxserve.worker import InProcessWorker
+from tests.engine.drive import generate
 from tests.model.hf_tiny import make_tiny_model
 
 DEADLINE_S = 5.0
@@ -51,16 +52,6 @@ def _config(model: str, tp: int) -> EngineConfig:
         cache=CacheConfig(block_size=4, num_kv_blocks=128))
 
 
-def _generate(core: EngineCore, prompts, params) -> dict[str, list[int]]:
-    for i, prompt in enumerate(prompts):
-        core.add_request(EngineCoreRequest(f"r{i}", prompt, params))
-    tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
-    while core.has_unfinished_requests():
-        for out in core.step():
-            tokens[out.request_id].extend(out.new_token_ids)
-    return tokens
-
-
 def _gone(proc) -> bool:
     try:
         proc.wait(timeout=DEADLINE_S)
@@ -82,10 +73,10 @@ def group_core(tiny_dir):
 
 def test_tp4_over_two_processes_matches_one_device(tiny_dir, group_core):
     group, core = group_core
-    got = _generate(core, PROMPTS, GREEDY)
+    got = generate(core, PROMPTS, GREEDY)
     assert group.status().num_steps == core.num_steps
     one = EngineCore(_config(tiny_dir, 1), InProcessWorker(progress=False))
-    expected = _generate(one, PROMPTS, GREEDY)
+    expected = generate(one, PROMPTS, GREEDY)
     one.shutdown()
     assert all(len(t) == GREEDY.max_tokens for t in expected.values())
     assert got == expected
