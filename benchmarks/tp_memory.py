@@ -62,7 +62,6 @@ def count_collectives(hlo_text: str) -> dict[str, int]:
 def analyse(config, *, tp: int, dtype: str, block_size: int, tokens: int, reqs: int,
             max_model_len: int) -> dict:
     import jax
-    import jax.numpy as jnp
     import numpy as np
 
     from jaxserve.model import sharding
@@ -100,7 +99,6 @@ def analyse(config, *, tp: int, dtype: str, block_size: int, tokens: int, reqs: 
     memory = body2.memory_analysis()
     activations = memory.temp_size_in_bytes if memory is not None else 0
     step = {k: fixed[k] + config.num_layers * per_layer[k] for k in COLLECTIVES}
-    del jnp
     return dict(tp=tp, dtype=dtype, model_kv_heads=config.num_kv_heads,
                 built_kv_heads=built.num_kv_heads, weight_bytes_per_device=weight_bytes,
                 kv_bytes_per_block_per_device=kv_block_bytes, block_size=block_size,
