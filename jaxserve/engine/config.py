@@ -12,7 +12,8 @@ import dataclasses
 
 from jaxserve.step_plan import Geometry, WorkerInit
 
-# The parameter dtypes every attention backend serves: the CPU reference and
+# The parameter dtypes every attention backend serves: the CPU kernel (bfloat16
+# widened to float32), the CPU reference and
 # the Pallas GPU kernel (pallas_kernels/tuning.py takes float32 and bfloat16).
 # float16 is refused at start-up rather than failing inside the kernel.
 SERVED_DTYPES = ("float32", "bfloat16")

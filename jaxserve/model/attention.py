@@ -1,11 +1,14 @@
 """The model's attention interface: ``paged_attention(q, k_cache, v_cache, metadata)``.
 
 Backends (``ATTENTION_BACKENDS``):
-  ``reference`` — pure jnp (pallas_kernels.ragged_paged_attention), the CPU default;
+  ``cpu`` — the C++ CPU kernel (``cpu_kernels``, an XLA FFI custom call), the CPU
+  default where it builds;
+  ``reference`` — pure jnp (pallas_kernels.ragged_paged_attention), the CPU
+  default where the C++ kernel cannot be built, and every kernel's oracle;
   ``pallas`` — the Pallas GPU kernel (``rpa.ragged_paged_attention``, Triton
   lowering), the GPU default;
   ``pallas_interpret`` — the same kernel in Pallas interpret mode (CPU tests).
-Both implement one contract (see ``pallas_kernels.ragged_paged_attention``).
+All implement one contract (see ``pallas_kernels.ragged_paged_attention``).
 """
 
 from __future__ import annotations
@@ -14,9 +17,10 @@ import dataclasses
 
 import jax
 
+import cpu_kernels
 from pallas_kernels import ragged_paged_attention as rpa
 
-ATTENTION_BACKENDS = ("reference", "pallas", "pallas_interpret")
+ATTENTION_BACKENDS = ("cpu", "reference", "pallas", "pallas_interpret")
 
 
 @jax.tree_util.register_dataclass
@@ -37,9 +41,23 @@ class AttentionMetadata:
     tiles: jax.Array | None = None
 
 
-def default_backend() -> str:
-    """``pallas`` on a GPU, ``reference`` elsewhere."""
-    return "pallas" if jax.default_backend() == "gpu" else "reference"
+def default_backend(head_dim: int | None = None) -> str:
+    """``pallas`` on a GPU; elsewhere ``cpu`` when its kernel builds and supports
+    ``head_dim`` (``cpu_kernels.HEAD_DIMS``; None: any), else ``reference``."""
+    if jax.default_backend() == "gpu":
+        return "pallas"
+    if head_dim is not None and head_dim not in cpu_kernels.HEAD_DIMS:
+        return "reference"
+    return "cpu" if cpu_kernels.available() else "reference"
+
+
+def check_backend(backend: str) -> None:
+    """Raises ValueError unless ``backend`` can run here (for ``cpu``: its kernel built)."""
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; choose one of {ATTENTION_BACKENDS}")
+    if backend == "cpu" and not cpu_kernels.available():
+        raise ValueError(f"attention backend 'cpu': {cpu_kernels.unavailable_reason()}; "
+                         "use 'reference'")
 
 
 def with_schedule(metadata: AttentionMetadata, *, num_tokens: int, num_heads: int,
@@ -86,6 +104,11 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     Raises:
       ValueError: unknown backend.
     """
+    if backend == "cpu":
+        return cpu_kernels.ragged_paged_attention(
+            q, k_cache, v_cache, metadata.block_table, metadata.seq_lens,
+            metadata.query_start_loc, sm_scale=sm_scale, sliding_window=sliding_window,
+            soft_cap=soft_cap)
     if backend == "reference":
         return rpa.ragged_paged_attention_reference(
             q, k_cache, v_cache, metadata.block_table, metadata.seq_lens,

@@ -59,7 +59,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jaxserve.model import sharding
-from jaxserve.model.attention import default_backend
+from jaxserve.model.attention import check_backend, default_backend
 from jaxserve.model.kv_cache import (KVCache, init_kv_cache, kv_cache_bytes_per_block,
                                       kv_cache_shapes)
 from jaxserve.model.loader import is_scanned, load_model, resolve_dtype
@@ -206,7 +206,8 @@ class InProcessWorker:
         m = init.max_num_seqs
         self.rows = RowState(m, max_model_len, init.block_size, config.vocab_size,
                              config.eos_token_ids)
-        self.backend = init.attention_backend or default_backend()
+        self.backend = init.attention_backend or default_backend(config.head_dim)
+        check_backend(self.backend)  # the cpu kernel is built and registered before any compile
         # The persistent rows first: automatic KV sizing counts them as in use.
         self.device_rows = sharding.place(ds.host_rows(self.rows), self.placement)
         self.last_token = sharding.place(np.zeros(m + 1, np.int32), self.placement)

@@ -23,8 +23,9 @@ Entries are keyed by everything that determines the program:
   the attention backend);
 - jax and jaxlib versions and the platform;
 - a fingerprint of the source of every module that is traced into a step
-  (``jaxserve/model``, ``jaxserve/worker``, ``pallas_kernels``,
-  ``jaxserve/config.py``): edit the model and the old entries no longer match.
+  (``jaxserve/model``, ``jaxserve/worker``, ``pallas_kernels``, ``cpu_kernels``
+  with its C++, ``jaxserve/config.py``): edit the model and the old entries no
+  longer match.
 
 A missing or unreadable entry is traced again and rewritten. Files:
 ``<directory>/<sha256>.program`` (pickle of the serialized ``Exported`` and
@@ -46,12 +47,17 @@ import jax
 import jaxlib
 from jax import export
 
+import cpu_kernels
+
 logger = logging.getLogger(__name__)
 
-_TRACED_SOURCES = ("jaxserve/model", "jaxserve/worker", "pallas_kernels", "jaxserve/config.py")
-# Pallas' Triton kernels are custom calls that jax.export does not vouch for
-# across versions; the key pins the versions, so they are safe to store here.
-_DISABLED_CHECKS = (export.DisabledSafetyCheck.custom_call("triton_kernel_call"),)
+_TRACED_SOURCES = ("jaxserve/model", "jaxserve/worker", "pallas_kernels", "cpu_kernels",
+                   "jaxserve/config.py")
+# Pallas' Triton kernels and the C++ CPU kernel are custom calls that jax.export
+# does not vouch for across versions; the key pins the versions and the sources,
+# so they are safe to store here.
+_DISABLED_CHECKS = (export.DisabledSafetyCheck.custom_call("triton_kernel_call"),
+                    export.DisabledSafetyCheck.custom_call(cpu_kernels.TARGET))
 
 
 @functools.cache
@@ -61,7 +67,8 @@ def code_fingerprint() -> str:
     digest = hashlib.sha256()
     for entry in _TRACED_SOURCES:
         path = root / entry
-        files = sorted(path.rglob("*.py")) if path.is_dir() else [path]
+        files = (sorted([*path.rglob("*.py"), *path.rglob("*.cc")]) if path.is_dir()
+                 else [path])
         for file in files:
             digest.update(str(file.relative_to(root)).encode())
             digest.update(file.read_bytes())

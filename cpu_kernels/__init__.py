@@ -1,0 +1,141 @@
+"""CPU kernels as XLA FFI custom calls, built from C++ on first use.
+
+``paged_attention.cc`` is ragged paged attention for float32 on the CPU (the
+``cpu`` attention backend, ``jaxserve.model.attention``). Its contract and
+results are ``pallas_kernels.ragged_paged_attention_reference``'s.
+
+The library is compiled once per machine with the system C++ compiler (``$CXX``,
+else ``g++``), ``-O3 -march=native``, against the XLA FFI headers that ship with
+jaxlib (``jax.ffi.include_dir()``), into ``$JAXSERVE_KERNEL_CACHE`` (default
+``~/.cache/jaxserve/kernels``), keyed by a hash of the source, the compiler
+command and the CPU's feature flags. With no compiler, or a failed build,
+``available()`` is False (the reason is logged once) and the model uses the
+pure-jnp reference instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import pathlib
+import platform
+import shutil
+import subprocess
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+SOURCE = pathlib.Path(__file__).with_name("paged_attention.cc")
+TARGET = "jaxserve_paged_attention_f32"
+# The head dims the kernel is instantiated for (``RunItem<H>`` in the C++).
+HEAD_DIMS = (16, 32, 64, 96, 128, 256)
+_CXXFLAGS = ("-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-std=c++17",
+             "-fPIC", "-shared", "-w")
+
+
+def cache_dir() -> pathlib.Path:
+    """Where built libraries live: ``$JAXSERVE_KERNEL_CACHE`` or ``~/.cache/jaxserve/kernels``."""
+    env = os.environ.get("JAXSERVE_KERNEL_CACHE")
+    return pathlib.Path(env) if env else pathlib.Path.home() / ".cache" / "jaxserve" / "kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build() -> pathlib.Path:
+    """Compiles the library if it is not built yet; returns its path.
+
+    Raises:
+      RuntimeError: no compiler, or the compiler failed (its output attached).
+    """
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        raise RuntimeError("no C++ compiler (g++ or $CXX) on PATH")
+    include = jax.ffi.include_dir()
+    cmd = [cxx, *_CXXFLAGS, f"-I{include}"]
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), *cmd, jax.__version__, _cpu_flags(),
+                                    platform.machine()]).encode()).hexdigest()[:16]
+    path = cache_dir() / f"paged_attention-{key}.so"
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        out = pathlib.Path(tmp, path.name)
+        proc = subprocess.run([*cmd, str(SOURCE), "-o", str(out)], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
+        os.replace(out, path)  # atomic: concurrent builders each write a complete file
+    logger.info("built %s", path)
+    return path
+
+
+@functools.cache
+def _load() -> str | None:
+    """Builds and registers the kernels once per process; None when they work, else why not."""
+    try:
+        lib = ctypes.cdll.LoadLibrary(str(_build()))
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxservePagedAttentionF32),
+                                    platform="cpu")
+    except (OSError, RuntimeError, AttributeError) as err:
+        logger.warning("CPU attention kernel unavailable, using the jnp reference: %s", err)
+        return str(err)
+    return None
+
+
+def available() -> bool:
+    """Whether the C++ kernels are built and registered in this process."""
+    return _load() is None
+
+
+def unavailable_reason() -> str | None:
+    """Why the kernels could not be built or loaded (None when they work)."""
+    return _load()
+
+
+def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+                           block_table: jax.Array, seq_lens: jax.Array,
+                           query_start_loc: jax.Array, *, sm_scale: float,
+                           sliding_window: int | None = None,
+                           soft_cap: float | None = None) -> jax.Array:
+    """Ragged causal paged attention by the C++ kernel (float32, CPU).
+
+    Same arguments, shapes and results as
+    ``pallas_kernels.ragged_paged_attention_reference`` (q [T, N, H],
+    caches [B, K, S, H], block_table i32[R, MB], seq_lens i32[R],
+    query_start_loc i32[R + 1]; returns [T, N, H], zeros for padding tokens).
+    Other dtypes are computed in float32 and cast back.
+
+    Raises:
+      RuntimeError: the kernel could not be built (``available()`` is False).
+      ValueError: inconsistent shapes, or a head_dim not in ``HEAD_DIMS``.
+    """
+    from pallas_kernels.rpa_reference import check_shapes
+
+    check_shapes(q, k_cache, v_cache, block_table, seq_lens, query_start_loc)
+    if q.shape[-1] not in HEAD_DIMS:
+        raise ValueError(f"the CPU attention kernel supports head_dim in {HEAD_DIMS}, "
+                         f"got {q.shape[-1]}; use the 'reference' backend")
+    why = _load()
+    if why is not None:
+        raise RuntimeError(f"the CPU attention kernel is unavailable: {why}")
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    out = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
+        f32(q), f32(k_cache), f32(v_cache), block_table.astype(jnp.int32),
+        seq_lens.astype(jnp.int32), query_start_loc.astype(jnp.int32),
+        sm_scale=np.float32(sm_scale), sliding_window=np.int64(sliding_window or 0),
+        soft_cap=np.float32(soft_cap or 0.0))
+    return out.astype(q.dtype)

@@ -1,0 +1,95 @@
+"""The C++ CPU attention kernel (``cpu_kernels``) against the float64 oracle and the reference.
+
+Same cases and bound as the reference's test (``test_reference.py``): every
+unowned cache slot is NaN, block ids past a row's last block are garbage, and
+rows mix decode, prefill after cached blocks, empty and padding rows.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import cpu_kernels
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
+from tests.pallas_kernels.attention_cases import make_case, oracle, relative_error
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(),
+                                reason=f"no C++ kernel: {cpu_kernels.unavailable_reason()}")
+
+BOUND = 1e-5  # float32, as the reference's
+
+
+def _args(case, dtype=jnp.float32):
+    cast = lambda x: jnp.asarray(x, dtype)  # noqa: E731
+    return (cast(case.q), cast(case.k_cache), cast(case.v_cache), jnp.asarray(case.block_table),
+            jnp.asarray(case.seq_lens), jnp.asarray(case.query_start_loc))
+
+
+@pytest.mark.parametrize("block_size", [1, 8, 16, 32])
+@pytest.mark.parametrize("heads", [(4, 4), (9, 3), (8, 2)], ids=["mha", "gqa3", "gqa4"])
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+def test_kernel_matches_oracle(block_size, heads, head_dim):
+    rng = np.random.default_rng(block_size * 100 + heads[0] + head_dim)
+    case = make_case(rng, num_heads=heads[0], num_kv_heads=heads[1], head_dim=head_dim,
+                     block_size=block_size)
+    scale = head_dim ** -0.5
+    out = np.asarray(jax.jit(functools.partial(cpu_kernels.ragged_paged_attention,
+                                               sm_scale=scale))(*_args(case)))
+    ref = oracle(case, sm_scale=scale)
+    assert np.isfinite(out).all()
+    assert relative_error(out, ref) < BOUND
+    assert (out[case.query_start_loc[-1]:] == 0).all(), "padding tokens must give zeros"
+
+
+@pytest.mark.parametrize("window,cap", [(8, None), (None, 5.0), (20, 2.0)])
+def test_sliding_window_and_soft_cap(window, cap):
+    rng = np.random.default_rng(5)
+    case = make_case(rng, num_heads=6, num_kv_heads=2, head_dim=32, block_size=16)
+    scale = 32 ** -0.5
+    out = np.asarray(cpu_kernels.ragged_paged_attention(
+        *_args(case), sm_scale=scale, sliding_window=window, soft_cap=cap))
+    ref = oracle(case, sm_scale=scale, sliding_window=window, soft_cap=cap)
+    assert relative_error(out, ref) < BOUND
+
+
+def test_long_rows_many_decodes_agree_with_the_reference():
+    """A 300-token prefill (many query tiles, transposed keys) beside 40 decode rows."""
+    rng = np.random.default_rng(7)
+    rows = [(300, 0), (37, 100)] + [(1, int(c)) for c in rng.integers(1, 400, 40)]
+    case = make_case(rng, num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, rows=rows)
+    args = _args(case)
+    out = cpu_kernels.ragged_paged_attention(*args, sm_scale=0.125)
+    ref = ragged_paged_attention_reference(*args, sm_scale=0.125)
+    assert relative_error(np.asarray(out), np.asarray(ref)) < BOUND
+    assert relative_error(np.asarray(out), oracle(case, sm_scale=0.125)) < BOUND
+
+
+def test_bfloat16_inputs_are_computed_in_float32():
+    rng = np.random.default_rng(3)
+    case = make_case(rng, num_heads=4, num_kv_heads=2, head_dim=64, block_size=16)
+    for name in ("q", "k_cache", "v_cache"):  # the oracle sees the same rounded inputs
+        setattr(case, name, np.asarray(jnp.asarray(getattr(case, name), jnp.bfloat16), np.float32))
+    out = cpu_kernels.ragged_paged_attention(*_args(case, jnp.bfloat16), sm_scale=0.125)
+    assert out.dtype == jnp.bfloat16
+    assert relative_error(np.asarray(out, np.float32), oracle(case, sm_scale=0.125)) < 1e-2
+
+
+def test_unsupported_head_dim_is_refused():
+    q = jnp.zeros((2, 2, 24))
+    cache = jnp.zeros((3, 2, 16, 24))
+    with pytest.raises(ValueError, match="head_dim"):
+        cpu_kernels.ragged_paged_attention(q, cache, cache, jnp.zeros((1, 2), jnp.int32),
+                                           jnp.ones(1, jnp.int32), jnp.array([0, 1], jnp.int32),
+                                           sm_scale=1.0)
+
+
+def test_bad_shapes_raise():
+    q = jnp.zeros((4, 6, 32))
+    cache = jnp.zeros((3, 4, 16, 32))  # 6 heads over 4 KV heads
+    with pytest.raises(ValueError, match="multiple"):
+        cpu_kernels.ragged_paged_attention(q, cache, cache, jnp.zeros((2, 2), jnp.int32),
+                                           jnp.zeros(2, jnp.int32), jnp.zeros(3, jnp.int32),
+                                           sm_scale=1.0)
