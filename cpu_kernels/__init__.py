@@ -65,6 +65,8 @@ def _build() -> pathlib.Path:
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if cxx is None:
         raise RuntimeError("no C++ compiler (g++ or $CXX) on PATH")
+    if shutil.which(cxx) is None:
+        raise RuntimeError(f"the C++ compiler {cxx!r} is not an executable")
     include = jax.ffi.include_dir()
     cmd = [cxx, *_CXXFLAGS, f"-I{include}"]
     key = hashlib.sha256("\0".join([SOURCE.read_text(), *cmd, jax.__version__, _cpu_flags(),

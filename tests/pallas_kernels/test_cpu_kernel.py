@@ -93,3 +93,31 @@ def test_bad_shapes_raise():
         cpu_kernels.ragged_paged_attention(q, cache, cache, jnp.zeros((2, 2), jnp.int32),
                                            jnp.zeros(2, jnp.int32), jnp.zeros(3, jnp.int32),
                                            sm_scale=1.0)
+
+
+def test_without_a_compiler_the_default_is_the_reference(tmp_path):
+    """No compiler (``$CXX`` names none) and nothing built: ``cpu`` is refused with the
+    reason, the CPU default falls back to ``reference``. A fresh process: the build is
+    attempted once per process."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import cpu_kernels; from jaxserve.model import attention as a\n"
+            "assert not cpu_kernels.available()\n"
+            "assert a.default_backend() == 'reference', a.default_backend()\n"
+            "try:\n    a.check_backend('cpu')\nexcept ValueError as e:\n    print(e)\n"
+            "else:\n    raise SystemExit('cpu was accepted')\n")
+    env = {**os.environ, "CXX": str(tmp_path / "no-such-compiler"),
+           "JAXSERVE_KERNEL_CACHE": str(tmp_path / "kernels")}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "attention backend 'cpu'" in proc.stdout and "no-such-compiler" in proc.stdout
+
+
+def test_head_dim_outside_the_kernel_defaults_to_the_reference():
+    from jaxserve.model.attention import default_backend
+
+    assert default_backend(head_dim=64) == "cpu"
+    assert default_backend(head_dim=80) == "reference"
