@@ -58,6 +58,23 @@ struct Item {
 // 16 floats: one AVX-512 register (two AVX2 ones); GCC/Clang lower it to what the CPU has.
 typedef float V16 __attribute__((vector_size(64), aligned(64)));
 typedef int32_t I16 __attribute__((vector_size(64), aligned(64)));
+// The same vector at any float's alignment, for loads straight from the cache.
+typedef float V16u __attribute__((vector_size(64), aligned(4), may_alias));
+
+// Sum and maximum of a vector's 16 lanes: four halving steps, each one lane shuffle.
+inline V16 Fold(V16 v, bool take_max) {
+  const I16 h8 = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};
+  const I16 h4 = {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11};
+  const I16 h2 = {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13};
+  const I16 h1 = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
+  for (const I16& perm : {h8, h4, h2, h1}) {
+    const V16 other = __builtin_shuffle(v, perm);
+    v = take_max ? (v > other ? v : other) : v + other;
+  }
+  return v;
+}
+inline float LaneSum(V16 v) { return Fold(v, false)[0]; }
+inline float LaneMax(V16 v) { return Fold(v, true)[0]; }
 
 // exp(x) for x <= 0, 16 lanes: 2^(x·log2 e) = 2^n · 2^f with n = round(x·log2 e) and
 // f in [-1/2, 1/2]; 2^f = e^(f·ln 2) by its Taylor polynomial of degree 7 (the first omitted
@@ -151,43 +168,50 @@ void RunItem(const Problem& p, const Item& it, std::vector<V16>& scratch) {
     for (int64_t j = 0; j < nq; ++j) {
       V16 s = {};
       if (transposed) {
+        // Four independent sums: one chain of H dependent multiply-adds would wait on
+        // the FMA latency at every step.
         const float* qj = qv + j * H;
-        for (int64_t h = 0; h < H; ++h) s += qj[h] * kt[h];
+        V16 s1 = {}, s2 = {}, s3 = {};
+#pragma GCC unroll 4
+        for (int64_t h = 0; h < H; h += 4) {
+          s += qj[h] * kt[h];
+          s1 += qj[h + 1] * kt[h + 1];
+          s2 += qj[h + 2] * kt[h + 2];
+          s3 += qj[h + 3] * kt[h + 3];
+        }
+        s = (s + s1) + (s2 + s3);
       } else {
         const V16* qj = reinterpret_cast<const V16*>(qv + j * H);
         for (int64_t c = 0; c < valid; ++c) {  // H/16 FMAs and a lane sum per key
-          V16 krow[HV];
-          __builtin_memcpy(krow, krows[c], sizeof(krow));
+          const V16u* krow = reinterpret_cast<const V16u*>(krows[c]);
           V16 d = qj[0] * krow[0];
+#pragma GCC unroll 16
           for (int64_t x = 1; x < HV; ++x) d += qj[x] * krow[x];
-          float dot = 0.0f;
-          for (int64_t z = 0; z < 16; ++z) dot += d[z];
-          s[c] = dot;
+          s[c] = LaneSum(d);
         }
       }
       if (p.soft_cap > 0.0f)
         for (int64_t c = 0; c < kChunk; ++c) s[c] = p.soft_cap * std::tanh(s[c] / p.soft_cap);
       const V16 mask_value = V16{} + kMask;
       s = (kpos <= posf[j]) & (kpos >= lof[j]) ? s : mask_value;
-      float block_max = kMask;
-      for (int64_t c = 0; c < kChunk; ++c) block_max = std::max(block_max, s[c]);
+      const float block_max = LaneMax(s);
       if (block_max == kMask) continue;  // no key of this block is visible to this query
       const float m_new = std::max(m[j], block_max);
       const float alpha = std::exp(m[j] - m_new);
       const V16 e = ExpNonPositive(s - m_new);
-      float sum = 0.0f;
-      for (int64_t c = 0; c < kChunk; ++c) sum += e[c];
-      l[j] = l[j] * alpha + sum;
+      l[j] = l[j] * alpha + LaneSum(e);
       m[j] = m_new;
       V16 a[HV];
+#pragma GCC unroll 16
       for (int64_t x = 0; x < HV; ++x) a[x] = acc[j * HV + x] * alpha;
       // Slots at or past ``valid`` are never read: a stale slot may hold anything, NaN included.
       for (int64_t c = 0; c < valid; ++c) {
         const float pc = e[c];
-        V16 vrow[HV];
-        __builtin_memcpy(vrow, vrows[c], sizeof(vrow));
+        const V16u* vrow = reinterpret_cast<const V16u*>(vrows[c]);
+#pragma GCC unroll 16
         for (int64_t x = 0; x < HV; ++x) a[x] += pc * vrow[x];
       }
+#pragma GCC unroll 16
       for (int64_t x = 0; x < HV; ++x) acc[j * HV + x] = a[x];
     }
   }
