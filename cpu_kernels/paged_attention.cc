@@ -9,10 +9,12 @@
 // Work is split into items of (row, KV head, up to kQueryTile query tokens);
 // an item's G·Tq query vectors share every key they read, straight from the
 // cache through the block table (no gathered copy). Keys go in chunks of 16
-// positions: the 16 scores of one query vector are one vector (from a dot
-// product per key, or, for items with many query vectors, from the chunk's keys
-// transposed once for all of them); FlashAttention's online softmax (Dao et
-// al., 2022, Alg. 1) merges the chunks. Items run on XLA's intra-op thread pool.
+// positions. Items with few query vectors (decode: G) put a chunk's 16 keys in
+// the lanes of a vector (a dot product per key); items with many (prefill) put
+// 16 queries in the lanes (the queries transposed once per item, a key's scores
+// are H multiply-adds, and the softmax runs on whole vectors). FlashAttention's
+// online softmax (Dao et al., 2022, Alg. 1) merges the chunks. Items run on
+// XLA's intra-op thread pool.
 
 #include <algorithm>
 #include <atomic>
@@ -31,8 +33,8 @@ namespace {
 constexpr int kQueryTile = 16;
 // Keys per score vector.
 constexpr int64_t kChunk = 16;
-// Query vectors per item from which a block's keys are transposed once for all of them.
-constexpr int kTransposeAt = 12;
+// Query vectors per item from which they go 16 to a vector (RunItemQueriesInLanes).
+constexpr int kQueriesInLanesAt = 12;
 // Masked scores: finite (see MASK_VALUE in pallas_kernels/rpa_reference.py).
 constexpr float kMask = -1e30f;
 
@@ -104,108 +106,111 @@ inline V16 ExpNonPositive(V16 x) {
   return x < -87.0f ? zero : e;
 }
 
-template <int H>
-void RunItem(const Problem& p, const Item& it, std::vector<V16>& scratch) {
-  static_assert(H % 16 == 0, "head_dim must be a multiple of 16");
-  constexpr int64_t HV = H / 16;  // vectors per head vector
-  const int64_t G = p.num_heads / p.num_kv_heads;
-  const int64_t nq = it.count * G;  // query vectors
-  const int64_t q_len = p.query_start_loc[it.row + 1] - p.query_start_loc[it.row];
-  const int64_t ctx = p.seq_lens[it.row] - q_len;  // tokens cached before this step
-  // Scratch (in 16-float vectors): q [nq, HV], acc [nq, HV], kt [H] (a block's keys
-  // transposed), then m/l/pos/lo [nq] floats.
-  scratch.resize(2 * nq * HV + H + 4 * nq);
-  float* qv = reinterpret_cast<float*>(scratch.data());
-  V16* acc = scratch.data() + nq * HV;
-  V16* kt = acc + nq * HV;
-  float* m = reinterpret_cast<float*>(kt + H);
-  float* l = m + nq;
-  float* posf = l + nq;  // positions as floats: exact below 2^24
-  float* lof = posf + nq;
+// One item's queries: scaled query vectors, their positions and window starts, and
+// the key range [key_lo, key_hi] that any of them sees. Query vector j = i·G + g is
+// query head kv_head·G + g of the item's token i.
+struct Queries {
+  int64_t count = 0;  // query vectors (nq)
   int64_t key_lo = INT64_MAX, key_hi = -1;
+  std::vector<float> q;    // [nq, H], times sm_scale
+  std::vector<float> pos;  // [nq] positions as floats (exact below 2^24)
+  std::vector<float> lo;   // [nq] first visible key position
+};
+
+void LoadQueries(const Problem& p, const Item& it, int64_t H, Queries& out) {
+  const int64_t G = p.num_heads / p.num_kv_heads;
+  const int64_t ctx = p.seq_lens[it.row] - (p.query_start_loc[it.row + 1] - p.query_start_loc[it.row]);
+  out.count = it.count * G;
+  out.key_lo = INT64_MAX;
+  out.key_hi = -1;
+  out.q.resize(out.count * H);
+  out.pos.resize(out.count);
+  out.lo.resize(out.count);
   for (int64_t i = 0; i < it.count; ++i) {
     const int64_t t = it.first + i;
-    const int64_t pos = ctx + t - p.query_start_loc[it.row];
+    const int64_t pos = ctx + t - p.query_start_loc[it.row];  // tokens cached before this step: ctx
     const int64_t lo = p.sliding_window > 0 ? std::max<int64_t>(0, pos - p.sliding_window + 1) : 0;
-    key_lo = std::min(key_lo, lo);
-    key_hi = std::max(key_hi, pos);
+    out.key_lo = std::min(out.key_lo, lo);
+    out.key_hi = std::max(out.key_hi, pos);
     for (int64_t g = 0; g < G; ++g) {
       const int64_t j = i * G + g;
       const float* src = p.q + (t * p.num_heads + it.kv_head * G + g) * H;
-      for (int64_t h = 0; h < H; ++h) qv[j * H + h] = src[h] * p.sm_scale;
-      posf[j] = static_cast<float>(pos);
-      lof[j] = static_cast<float>(lo);
-      m[j] = kMask;
-      l[j] = 0.0f;
+      for (int64_t h = 0; h < H; ++h) out.q[j * H + h] = src[h] * p.sm_scale;
+      out.pos[j] = static_cast<float>(pos);
+      out.lo[j] = static_cast<float>(lo);
     }
   }
-  std::memset(static_cast<void*>(acc), 0, sizeof(V16) * nq * HV);
-  const V16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+}
+
+// The key and value rows of positions [base, base + valid) of the item's row and KV
+// head, through the block table (a chunk spans several blocks when S < 16).
+void ChunkRows(const Problem& p, const Item& it, int64_t H, int64_t base, int64_t valid,
+               const float** krows, const float** vrows) {
   const int32_t* table = p.block_table + static_cast<int64_t>(it.row) * p.max_blocks;
+  for (int64_t c = 0; c < valid; ++c) {
+    const int64_t pos = base + c;
+    int64_t block = table[std::min<int64_t>(pos / p.block_size, p.max_blocks - 1)];
+    block = std::min<int64_t>(std::max<int64_t>(block, 0), p.num_blocks - 1);
+    const int64_t offset = ((block * p.num_kv_heads + it.kv_head) * p.block_size + pos % p.block_size) * H;
+    krows[c] = p.k + offset;
+    vrows[c] = p.v + offset;
+  }
+}
+
+// acc [nq, H] / l [nq] into the output rows of the item's query vectors (0 where l == 0).
+void StoreOutputs(const Problem& p, const Item& it, int64_t H, const float* acc, const float* l) {
+  const int64_t G = p.num_heads / p.num_kv_heads;
+  for (int64_t i = 0; i < it.count; ++i) {
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t j = i * G + g;
+      float* dst = p.out + ((it.first + i) * p.num_heads + it.kv_head * G + g) * H;
+      const float inv = l[j] > 0.0f ? 1.0f / l[j] : 0.0f;
+      for (int64_t h = 0; h < H; ++h) dst[h] = acc[j * H + h] * inv;
+    }
+  }
+}
+
+const V16 kLane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+
+// Few query vectors (decode: G of them): a query's 16 scores of a chunk are one
+// vector, one dot product (H/16 FMAs and a lane sum) per key.
+template <int H>
+void RunItemKeysInLanes(const Problem& p, const Item& it, Queries& qs, std::vector<V16>& scratch) {
+  constexpr int64_t HV = H / 16;
+  const int64_t nq = qs.count;
+  scratch.assign(nq * HV, V16{});  // acc [nq, H]
+  V16* acc = scratch.data();
+  std::vector<float> m(nq, kMask), l(nq, 0.0f);
   const float* krows[kChunk];
   const float* vrows[kChunk];
-  // Keys in chunks of 16 consecutive positions; each key's row is found through the
-  // block table (a chunk may span several blocks when S < 16).
-  for (int64_t base = key_lo / kChunk * kChunk; base <= key_hi; base += kChunk) {
-    const int64_t valid = std::min<int64_t>(kChunk, key_hi + 1 - base);  // later keys: never read
-    for (int64_t c = 0; c < valid; ++c) {
-      const int64_t pos = base + c;
-      int64_t block = table[std::min<int64_t>(pos / p.block_size, p.max_blocks - 1)];
-      block = std::min<int64_t>(std::max<int64_t>(block, 0), p.num_blocks - 1);
-      const int64_t offset = ((block * p.num_kv_heads + it.kv_head) * p.block_size + pos % p.block_size) * H;
-      krows[c] = p.k + offset;
-      vrows[c] = p.v + offset;
-    }
-    const V16 kpos = lane + static_cast<float>(base);
-    // Many query vectors: transpose the block's keys once ([H] vectors of 16 keys), then a
-    // query's 16 scores are H FMAs. Few (decode): a dot product per key is cheaper.
-    const bool transposed = nq >= kTransposeAt;
-    if (transposed) {
-      float* ktf = reinterpret_cast<float*>(kt);
-      for (int64_t c = 0; c < kChunk; ++c)
-        for (int64_t h = 0; h < H; ++h) ktf[h * kChunk + c] = c < valid ? krows[c][h] : 0.0f;
-    }
+  for (int64_t base = qs.key_lo / kChunk * kChunk; base <= qs.key_hi; base += kChunk) {
+    const int64_t valid = std::min<int64_t>(kChunk, qs.key_hi + 1 - base);  // later keys: never read
+    ChunkRows(p, it, H, base, valid, krows, vrows);
+    const V16 kpos = kLane + static_cast<float>(base);
     for (int64_t j = 0; j < nq; ++j) {
-      V16 s = {};
-      if (transposed) {
-        // Four independent sums: one chain of H dependent multiply-adds would wait on
-        // the FMA latency at every step.
-        const float* qj = qv + j * H;
-        V16 s1 = {}, s2 = {}, s3 = {};
-#pragma GCC unroll 4
-        for (int64_t h = 0; h < H; h += 4) {
-          s += qj[h] * kt[h];
-          s1 += qj[h + 1] * kt[h + 1];
-          s2 += qj[h + 2] * kt[h + 2];
-          s3 += qj[h + 3] * kt[h + 3];
-        }
-        s = (s + s1) + (s2 + s3);
-      } else {
-        const V16* qj = reinterpret_cast<const V16*>(qv + j * H);
-        for (int64_t c = 0; c < valid; ++c) {  // H/16 FMAs and a lane sum per key
-          const V16u* krow = reinterpret_cast<const V16u*>(krows[c]);
-          V16 d = qj[0] * krow[0];
+      const V16u* qj = reinterpret_cast<const V16u*>(qs.q.data() + j * H);  // not 64-byte aligned
+      V16 s = V16{} + kMask;
+      for (int64_t c = 0; c < valid; ++c) {
+        const V16u* krow = reinterpret_cast<const V16u*>(krows[c]);
+        V16 d = qj[0] * krow[0];
 #pragma GCC unroll 16
-          for (int64_t x = 1; x < HV; ++x) d += qj[x] * krow[x];
-          s[c] = LaneSum(d);
-        }
+        for (int64_t x = 1; x < HV; ++x) d += qj[x] * krow[x];
+        s[c] = LaneSum(d);
       }
       if (p.soft_cap > 0.0f)
         for (int64_t c = 0; c < kChunk; ++c) s[c] = p.soft_cap * std::tanh(s[c] / p.soft_cap);
-      const V16 mask_value = V16{} + kMask;
-      s = (kpos <= posf[j]) & (kpos >= lof[j]) ? s : mask_value;
+      s = (kpos <= qs.pos[j]) & (kpos >= qs.lo[j]) ? s : V16{} + kMask;
       const float block_max = LaneMax(s);
-      if (block_max == kMask) continue;  // no key of this block is visible to this query
+      if (block_max == kMask) continue;  // no key of this chunk is visible to this query
       const float m_new = std::max(m[j], block_max);
       const float alpha = std::exp(m[j] - m_new);
-      const V16 e = ExpNonPositive(s - m_new);
+      const V16 e = ExpNonPositive(s - m_new);  // masked: exactly 0
       l[j] = l[j] * alpha + LaneSum(e);
       m[j] = m_new;
       V16 a[HV];
 #pragma GCC unroll 16
       for (int64_t x = 0; x < HV; ++x) a[x] = acc[j * HV + x] * alpha;
-      // Slots at or past ``valid`` are never read: a stale slot may hold anything, NaN included.
-      for (int64_t c = 0; c < valid; ++c) {
+      for (int64_t c = 0; c < valid; ++c) {  // keys past ``valid`` may hold anything, NaN included
         const float pc = e[c];
         const V16u* vrow = reinterpret_cast<const V16u*>(vrows[c]);
 #pragma GCC unroll 16
@@ -215,28 +220,121 @@ void RunItem(const Problem& p, const Item& it, std::vector<V16>& scratch) {
       for (int64_t x = 0; x < HV; ++x) acc[j * HV + x] = a[x];
     }
   }
-  const float* accf = reinterpret_cast<const float*>(acc);
-  for (int64_t i = 0; i < it.count; ++i) {
-    const int64_t t = it.first + i;
-    for (int64_t g = 0; g < G; ++g) {
-      const int64_t j = i * G + g;
-      float* dst = p.out + (t * p.num_heads + it.kv_head * G + g) * H;
-      const float inv = l[j] > 0.0f ? 1.0f / l[j] : 0.0f;
-      for (int64_t h = 0; h < H; ++h) dst[h] = accf[j * H + h] * inv;
+  StoreOutputs(p, it, H, reinterpret_cast<const float*>(acc), l.data());
+}
+
+// Many query vectors (prefill): 16 queries in the lanes of a vector. The queries are
+// transposed once per item; a key's scores against 16 queries are then H FMAs, and
+// the online softmax runs on whole vectors (no lane sums).
+template <int H>
+void RunItemQueriesInLanes(const Problem& p, const Item& it, Queries& qs, std::vector<V16>& scratch) {
+  constexpr int64_t HV = H / 16;
+  const int64_t nq = qs.count;
+  const int64_t groups = (nq + 15) / 16;  // query vectors of 16 lanes
+  // Scratch: qT [groups, H] (query lanes per channel), acc [groups·16, HV],
+  // m, l, pos, lo [groups], p [kChunk] (one chunk's probabilities of a group).
+  scratch.assign(groups * H + groups * 16 * HV + 4 * groups + kChunk, V16{});
+  V16* qT = scratch.data();
+  V16* acc = qT + groups * H;
+  V16* m = acc + groups * 16 * HV;
+  V16* l = m + groups;
+  V16* posv = l + groups;
+  V16* lov = posv + groups;
+  V16* prob = lov + groups;
+  for (int64_t gi = 0; gi < groups; ++gi) {
+    m[gi] = V16{} + kMask;
+    posv[gi] = V16{} - 1.0f;  // lanes past nq see no key
+    lov[gi] = V16{};
+  }
+  for (int64_t j = 0; j < nq; ++j) {
+    float* lanes = reinterpret_cast<float*>(qT + (j / 16) * H);
+    for (int64_t h = 0; h < H; ++h) lanes[h * 16 + j % 16] = qs.q[j * H + h];
+    posv[j / 16][j % 16] = qs.pos[j];
+    lov[j / 16][j % 16] = qs.lo[j];
+  }
+  const float* krows[kChunk];
+  const float* vrows[kChunk];
+  for (int64_t base = qs.key_lo / kChunk * kChunk; base <= qs.key_hi; base += kChunk) {
+    const int64_t valid = std::min<int64_t>(kChunk, qs.key_hi + 1 - base);  // later keys: never read
+    ChunkRows(p, it, H, base, valid, krows, vrows);
+    for (int64_t gi = 0; gi < groups; ++gi) {
+      const V16* qg = qT + gi * H;
+      V16 s[kChunk];
+      V16 block_max = V16{} + kMask;
+      for (int64_t c = 0; c < valid; ++c) {
+        // Four independent sums: one chain of H dependent FMAs waits on their latency.
+        const float* k = krows[c];
+        V16 s0 = {}, s1 = {}, s2 = {}, s3 = {};
+#pragma GCC unroll 4
+        for (int64_t h = 0; h < H; h += 4) {
+          s0 += k[h] * qg[h];
+          s1 += k[h + 1] * qg[h + 1];
+          s2 += k[h + 2] * qg[h + 2];
+          s3 += k[h + 3] * qg[h + 3];
+        }
+        V16 sc = (s0 + s1) + (s2 + s3);
+        if (p.soft_cap > 0.0f)
+          for (int64_t z = 0; z < 16; ++z) sc[z] = p.soft_cap * std::tanh(sc[z] / p.soft_cap);
+        const float kp = static_cast<float>(base + c);
+        sc = (kp <= posv[gi]) & (kp >= lov[gi]) ? sc : V16{} + kMask;
+        s[c] = sc;
+        block_max = block_max > sc ? block_max : sc;
+      }
+      const V16 m_new = m[gi] > block_max ? m[gi] : block_max;
+      const V16 alpha = ExpNonPositive(m[gi] - m_new);  // m == kMask: acc and l are 0 anyway
+      V16 sum = {};
+      for (int64_t c = 0; c < valid; ++c) {
+        const V16 e = ExpNonPositive(s[c] - m_new);
+        prob[c] = s[c] > kMask ? e : V16{};  // masked, even where m_new is still kMask: 0
+        sum += prob[c];
+      }
+      l[gi] = l[gi] * alpha + sum;
+      m[gi] = m_new;
+      const int64_t lanes = std::min<int64_t>(16, nq - gi * 16);
+      for (int64_t z = 0; z < lanes; ++z) {
+        V16* aj = acc + (gi * 16 + z) * HV;
+        V16 a[HV];
+        const float az = alpha[z];
+#pragma GCC unroll 16
+        for (int64_t x = 0; x < HV; ++x) a[x] = aj[x] * az;
+        const float* pz = reinterpret_cast<const float*>(prob) + z;
+        for (int64_t c = 0; c < valid; ++c) {  // keys past ``valid`` may hold anything, NaN included
+          const float pc = pz[c * 16];
+          const V16u* vrow = reinterpret_cast<const V16u*>(vrows[c]);
+#pragma GCC unroll 16
+          for (int64_t x = 0; x < HV; ++x) a[x] += pc * vrow[x];
+        }
+#pragma GCC unroll 16
+        for (int64_t x = 0; x < HV; ++x) aj[x] = a[x];
+      }
     }
   }
+  std::vector<float> lsum(nq);
+  for (int64_t j = 0; j < nq; ++j) lsum[j] = l[j / 16][j % 16];
+  StoreOutputs(p, it, H, reinterpret_cast<const float*>(acc), lsum.data());
+}
+
+template <int H>
+void RunItem(const Problem& p, const Item& it, Queries& qs, std::vector<V16>& scratch) {
+  static_assert(H % 16 == 0, "head_dim must be a multiple of 16");
+  LoadQueries(p, it, H, qs);
+  if (qs.count >= kQueriesInLanesAt)
+    RunItemQueriesInLanes<H>(p, it, qs, scratch);
+  else
+    RunItemKeysInLanes<H>(p, it, qs, scratch);
 }
 
 void RunItems(const Problem& p, const std::vector<Item>& items, std::atomic<int64_t>& next) {
   std::vector<V16> scratch;
+  Queries qs;
   for (int64_t i = next.fetch_add(1); i < static_cast<int64_t>(items.size()); i = next.fetch_add(1)) {
     switch (p.head_dim) {
-      case 16: RunItem<16>(p, items[i], scratch); break;
-      case 32: RunItem<32>(p, items[i], scratch); break;
-      case 64: RunItem<64>(p, items[i], scratch); break;
-      case 96: RunItem<96>(p, items[i], scratch); break;
-      case 128: RunItem<128>(p, items[i], scratch); break;
-      case 256: RunItem<256>(p, items[i], scratch); break;
+      case 16: RunItem<16>(p, items[i], qs, scratch); break;
+      case 32: RunItem<32>(p, items[i], qs, scratch); break;
+      case 64: RunItem<64>(p, items[i], qs, scratch); break;
+      case 96: RunItem<96>(p, items[i], qs, scratch); break;
+      case 128: RunItem<128>(p, items[i], qs, scratch); break;
+      case 256: RunItem<256>(p, items[i], qs, scratch); break;
       default: break;  // refused before the items are run
     }
   }
