@@ -3,7 +3,9 @@
 The README's first command (``pip install -e . && jaxserve demo``). The demo
 model (SmolLM2-135M-Instruct) is built on first use. The answer goes to
 stdout, the servers' logs and the timings to stderr. Small engine limits
-(1 sequence, 64-token steps) keep the start-up compiles short.
+keep the start-up compiles short: 1 sequence, 64-token steps, and a T ladder
+of two rungs — 1 (every decode step of the one sequence) and the token budget
+(the prompt, padded) — so two model bodies instead of six.
 """
 
 from __future__ import annotations
@@ -29,6 +31,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
 
 
+def demo_token_buckets(max_num_batched_tokens: int) -> tuple[int, ...]:
+    """The demo's T ladder: 1 and the token budget (one rung when the budget is 1)."""
+    return tuple(sorted({1, max_num_batched_tokens}))
+
+
 def run(args: argparse.Namespace) -> int:
     from jaxserve.client import Client, JaxServeError
     from jaxserve.commands.serve import serve_options
@@ -36,6 +43,8 @@ def run(args: argparse.Namespace) -> int:
     from jaxserve.launcher import Launcher, ServerExited
     from jaxserve.procutil import StopSignal, free_port
 
+    if not args.token_buckets:
+        args.token_buckets = demo_token_buckets(args.max_num_batched_tokens)
     stop = StopSignal()
     start = time.monotonic()
     launcher = Launcher(serve_options(args, port=args.port or free_port(args.host),

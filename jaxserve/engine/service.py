@@ -255,6 +255,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="most sequences running at once (default 64)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512,
                         help="token budget of one step (default 512)")
+    parser.add_argument("--token-buckets", type=bucket_ladder, default=(), metavar="T,T,...",
+                        help="the T ladder: step sizes in tokens, increasing, the last one at "
+                             "least --max-num-batched-tokens; every one is a compiled model body "
+                             "(default: 1, 4, then powers of two up to the budget)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="longest sequence in tokens (default: the model's)")
@@ -310,6 +314,14 @@ def positive_int(text: str) -> int:
     return value
 
 
+def bucket_ladder(text: str) -> tuple[int, ...]:
+    """An argparse type: comma-separated positive ints ("1,64"); checked by ``SchedulerConfig``."""
+    try:
+        return tuple(int(t) for t in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not comma-separated integers: {text!r}") from None
+
+
 def _positive_float(text: str) -> float:
     value = float(text)
     if not value > 0:
@@ -322,6 +334,8 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
     flags = ["--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs),
              "--max-num-batched-tokens", str(args.max_num_batched_tokens),
              "--block-size", str(args.block_size), "--seed", str(args.seed)]
+    if args.token_buckets:
+        flags += ["--token-buckets", ",".join(map(str, args.token_buckets))]
     if args.kv_cache_bytes is not None:
         flags += ["--kv-cache-bytes", str(args.kv_cache_bytes)]
     if args.max_model_len is not None:
@@ -348,7 +362,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
-                                  enable_chunked_prefill=not args.no_chunked_prefill),
+                                  enable_chunked_prefill=not args.no_chunked_prefill,
+                                  token_buckets=args.token_buckets),
         cache=CacheConfig(block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                           enable_prefix_caching=not args.no_prefix_caching,
                           **({} if args.kv_cache_bytes is None

@@ -29,7 +29,7 @@ PROMPTS = ["The history of the printing press", "def add(a, b):", "Once upon a t
            "The three primary colors are", "In 1969, astronauts", "A recipe for pancakes:",
            "Photosynthesis is the process", "Water boils at"]
 # The demo command's limits (``jaxserve demo``): modules using them share its executables.
-DEMO_ENGINE = ("--max-num-seqs", "1", "--max-num-batched-tokens", "64")
+DEMO_ENGINE = ("--max-num-seqs", "1", "--max-num-batched-tokens", "64", "--token-buckets", "1,64")
 
 
 @contextlib.contextmanager

@@ -1,0 +1,46 @@
+"""The engine's command-line flags: ``--token-buckets`` and the demo's two-rung T ladder."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from jaxserve.commands import demo
+from jaxserve.engine.service import add_engine_arguments, engine_config, engine_flags
+
+
+def _parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_token_buckets_reach_the_scheduler_and_the_engine_process():
+    args = _parse("--max-num-batched-tokens", "64", "--token-buckets", "1,16,64")
+    assert engine_config(args).scheduler.token_buckets == (1, 16, 64)
+    flags = engine_flags(args)
+    assert flags[flags.index("--token-buckets") + 1] == "1,16,64"
+    assert engine_config(_parse(*flags)).scheduler.token_buckets == (1, 16, 64)
+
+
+def test_without_token_buckets_the_default_ladder():
+    args = _parse("--max-num-batched-tokens", "64")
+    assert "--token-buckets" not in engine_flags(args)
+    assert engine_config(args).scheduler.token_buckets == (1, 4, 8, 16, 32, 64)
+
+
+def test_bad_token_buckets_are_refused():
+    with pytest.raises(SystemExit):
+        _parse("--token-buckets", "1,x")
+    with pytest.raises(ValueError, match="token_buckets must reach 64"):
+        engine_config(_parse("--max-num-batched-tokens", "64", "--token-buckets", "1,32"))
+
+
+def test_the_demo_ladder_is_decode_and_the_budget():
+    assert demo.demo_token_buckets(64) == (1, 64)
+    assert demo.demo_token_buckets(1) == (1,)
+    parser = argparse.ArgumentParser()
+    demo.add_arguments(parser)
+    args = parser.parse_args([])
+    assert (args.max_num_seqs, args.max_num_batched_tokens, args.token_buckets) == (1, 64, ())
