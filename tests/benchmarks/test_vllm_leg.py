@@ -30,8 +30,9 @@ class SamplingParams:
 
 
 class LLM:
-    def __init__(self, model, dtype, max_model_len, seed, max_num_seqs, max_num_batched_tokens):
-        assert dtype == "float32" and max_model_len > 0
+    def __init__(self, model, dtype, max_model_len, seed, max_num_seqs, max_num_batched_tokens,
+                 gpu_memory_utilization):
+        assert dtype == "float32" and max_model_len > 0 and 0 < gpu_memory_utilization <= 1
 
     def get_tokenizer(self):
         return types.SimpleNamespace(vocab_size=1000)
@@ -77,3 +78,17 @@ def test_short_outputs_and_crashes_are_reported(tmp_path):
         crashed = vllm_leg.run(workload, model_dir=str(tmp_path), python=sys.executable,
                                max_num_seqs=4, max_num_batched_tokens=64)
         assert "exited with 1" in crashed["error"] and "vllm" in crashed["error"]
+
+
+def test_one_runner_runs_every_workload(tmp_path):
+    workloads = {"a": fixed_lengths(1, 1000, 7, 5), "b": fixed_lengths(3, 1000, 4, 2, seed=2)}
+    result = vllm_leg.run_workloads(workloads, model_dir=str(tmp_path),
+                                    python=fake_python(tmp_path), max_num_seqs=4,
+                                    max_num_batched_tokens=64, memory_fraction=0.3)
+    assert "error" not in result, result.get("error")
+    assert result["memory_fraction"] == 0.3 and result["load_seconds"] >= 0
+    assert list(result["workloads"]) == ["a", "b"]
+    for name, workload in workloads.items():
+        leg = result["workloads"][name]
+        assert leg["output_tokens"] == workload.num_output_tokens
+        assert leg["output_tokens_per_s"] == workload.num_output_tokens / leg["elapsed"]
