@@ -107,13 +107,17 @@ def run_workloads(workloads: Mapping[str, Workload], *, model: str | None,
       seed: the warm-up prompts' seed (each workload's own seed is in its prompts).
 
     Returns:
-      ``{"load_seconds": engine construction s, "workloads": {name: the
-      timed_generate dict plus warmup_seconds}}``.
+      ``{"load_seconds": engine construction s, "load_compiles": XLA compiles
+      during it (0: every executable came from the persistent compilation
+      cache), "load_compile_seconds", "workloads": {name: the timed_generate
+      dict plus warmup_seconds}}``.
     """
-    start = time.perf_counter()
-    llm = make_llm(model, tokenizer, options)
-    load = time.perf_counter() - start
-    logger.info("jaxserve: engine ready in %.1f s", load)
+    compiles = CompileCounter()
+    with compiles.watch():
+        start = time.perf_counter()
+        llm = make_llm(model, tokenizer, options)
+        load = time.perf_counter() - start
+    logger.info("jaxserve: engine ready in %.1f s (%d compiles)", load, compiles.count)
     results: dict[str, Any] = {}
     try:
         for i, (name, workload) in enumerate(workloads.items()):
@@ -122,7 +126,8 @@ def run_workloads(workloads: Mapping[str, Workload], *, model: str | None,
             results[name] = {"warmup_seconds": warm, **timed_generate(llm, workload)}
     finally:
         llm.shutdown()
-    return {"load_seconds": load, "workloads": results}
+    return {"load_seconds": load, "load_compiles": compiles.count,
+            "load_compile_seconds": compiles.as_dict()["compile_seconds"], "workloads": results}
 
 
 def run(workload: Workload, *, model: str | None, tokenizer: str | None,
