@@ -1,62 +1,17 @@
 """The vLLM leg's plumbing (runner script, subprocess, JSON) with a stand-in ``vllm`` package.
 
-vLLM itself is not installed in CI; a fake ``vllm`` module with its API's
-shape (``LLM.generate`` on token prompts, ``SamplingParams``) runs the real
-``vllm_runner.py`` in a subprocess through a wrapper interpreter, as
-``--vllm-python`` would.
+``tests.benchmarks.fake_vllm`` stands in for vLLM: the real ``vllm_runner.py``
+runs in a subprocess through a wrapper interpreter, as ``--vllm-python`` would.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import stat
 import sys
-import textwrap
 
 from benchmarks import vllm_leg
 from benchmarks.dataset import fixed_lengths, sharegpt_like
-
-FAKE_VLLM = '''
-import cProfile  # vLLM imports it through torch: our folder must not shadow ``profile``
-import types
-
-__version__ = "0.0-fake"
-
-
-class SamplingParams:
-    def __init__(self, temperature, max_tokens, ignore_eos):
-        assert temperature == 0.0 and ignore_eos
-        self.max_tokens = max_tokens
-
-
-class LLM:
-    def __init__(self, model, dtype, max_model_len, seed, max_num_seqs, max_num_batched_tokens,
-                 gpu_memory_utilization):
-        assert dtype == "float32" and max_model_len > 0 and 0 < gpu_memory_utilization <= 1
-
-    def get_tokenizer(self):
-        return types.SimpleNamespace(vocab_size=1000)
-
-    def generate(self, prompts, params, use_tqdm):
-        params = params if isinstance(params, list) else [params] * len(prompts)
-        short = __import__("os").environ.get("FAKE_VLLM_SHORT") == "1"
-        return [types.SimpleNamespace(outputs=[types.SimpleNamespace(
-                    token_ids=list(range(p.max_tokens - short)))])
-                for p in params]
-'''
-
-
-def fake_python(tmp_path, short=False):
-    package = tmp_path / "site" / "vllm"
-    package.mkdir(parents=True)
-    (package / "__init__.py").write_text(FAKE_VLLM)
-    wrapper = tmp_path / "python"
-    wrapper.write_text(textwrap.dedent(f"""\
-        #!/bin/sh
-        FAKE_VLLM_SHORT={int(short)} PYTHONPATH={tmp_path / 'site'} exec {sys.executable} "$@"
-        """))
-    wrapper.chmod(wrapper.stat().st_mode | stat.S_IEXEC)
-    return str(wrapper)
+from tests.benchmarks.fake_vllm import fake_python
 
 
 def test_runner_round_trip(tmp_path):
