@@ -155,9 +155,14 @@ def _bandwidth(args: argparse.Namespace) -> dict[str, float]:
     return decode_roofline.measure_bandwidth(args.bandwidth_mib, args.bandwidth_reps)
 
 
-def run_legs(args: argparse.Namespace, cases: list[Case], model_dir: str) -> dict[str, Any]:
-    """Each engine's results: ``{engine: {"load_seconds", "workloads": {case: result}}}``
-    or ``{engine: {"error": why}}``; ``_bandwidth`` holds the probe's before/after."""
+def run_legs(args: argparse.Namespace, cases: list[Case], model_dir: str
+             ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Runs every leg; returns (legs, bandwidth).
+
+    legs: ``{engine: {"load_seconds", "workloads": {case: result}}}`` or
+    ``{engine: {"error": why}}``. bandwidth: the probe's ``{"before", "after"}``
+    (``measure_bandwidth`` dicts, GB/s; None without a ``batch1`` case).
+    """
     from benchmarks import jaxserve_leg
 
     workloads = {c.name: c.workload for c in cases}
@@ -170,7 +175,6 @@ def run_legs(args: argparse.Namespace, cases: list[Case], model_dir: str) -> dic
         workloads, model=model_dir, tokenizer=args.tokenizer, options=options, seed=args.seed)}
     legs["jaxserve"]["engine_options"] = options.as_dict()
     after = _bandwidth(args) if roofline else None
-    legs["_bandwidth"] = {"before": before, "after": after}
 
     hf_cases = [c for c in cases if c.hf]
     if args.skip_hf:
@@ -211,10 +215,11 @@ def run_legs(args: argparse.Namespace, cases: list[Case], model_dir: str) -> dic
         except Exception as err:  # a failed leg is reported, the others still count
             logger.exception("llama.cpp leg failed")
             legs["llama_cpp"] = {"error": f"{type(err).__name__}: {err}"}
-    return legs
+    return legs, {"before": before, "after": after}
 
 
-def summarize(cases: list[Case], legs: dict[str, Any], model_dir: str) -> dict[str, Any]:
+def summarize(cases: list[Case], legs: dict[str, Any], bandwidth: dict[str, Any],
+              model_dir: str) -> dict[str, Any]:
     """The table (tokens/s and ratios per case), the roofline and the start-up seconds."""
     table: dict[str, Any] = {}
     for case in cases:
@@ -228,7 +233,6 @@ def summarize(cases: list[Case], legs: dict[str, Any], model_dir: str) -> dict[s
                                              if row["jaxserve"] and row[other] else None)
         table[case.name] = row
     roofline = None
-    bandwidth = legs["_bandwidth"]
     if bandwidth["before"] is not None:
         from benchmarks import decode_roofline
 
@@ -251,10 +255,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model_dir = str(common.resolve_model(args.model))
     cases = make_cases(args, vocab_size(model_dir))
     load_before = common.load_average()
-    legs = run_legs(args, cases, model_dir)
+    legs, bandwidth = run_legs(args, cases, model_dir)
     load_after = common.load_average()
-    summary = summarize(cases, legs, model_dir)
-    legs.pop("_bandwidth")  # summary["roofline"] holds it
+    summary = summarize(cases, legs, bandwidth, model_dir)
     return {"benchmark": NAME, "args": vars(args), "environment": common.environment(),
             "dtype": DTYPE, "load_average_before": load_before,
             "load_average_after": load_after,
@@ -289,9 +292,10 @@ def report(result: dict[str, Any]) -> str:
             f"{b['before']['best_gb_s']:.1f} / after {b['after']['best_gb_s']:.1f}) -> floor "
             f"{roof['floor_tokens_per_s']:.1f} tok/s; measured / floor: "
             + ", ".join(f"{ENGINE_LABELS[e]} {_cell(r, '.2f')}" for e, r in roof["ratio"].items()))
-    compiles = result["legs"]["jaxserve"].get("load_compiles")
-    warm = ("warm compile cache" if compiles == 0
-            else f"{compiles} compiles: the compile cache was not warm")
+    cache = result["legs"]["jaxserve"].get("load_cache", {})
+    warm = ("warm compilation cache" if cache.get("cache_misses") == 0 else
+            f"compilation cache: {cache.get('cache_hits')} hits, "
+            f"{cache.get('cache_misses')} compiled")
     lines.append("start-up s: " + ", ".join(
         f"{ENGINE_LABELS[e]} {s:.1f}" + (f" ({warm})" if e == "jaxserve" else "")
         for e, s in result["startup_seconds"].items()))

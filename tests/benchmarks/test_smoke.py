@@ -208,4 +208,5 @@ def test_cpu_side_by_side(tiny_model_dir, tmp_path):
         assert roof["ratio"][engine] == pytest.approx(
             table["batch1"][engine] / roof["floor_tokens_per_s"])
     assert out["startup_seconds"]["jaxserve"] > 0 and out["startup_seconds"]["vllm"] >= 0
+    assert all(v >= 0 for v in legs["jaxserve"]["load_cache"].values())
     assert len(out["load_average_before"]) == len(out["load_average_after"]) == 3
