@@ -48,9 +48,25 @@ def _pad_left(prompts: list[tuple[int, ...]], pad_id: int, device: str):
     return ids.to(device), mask.to(device)
 
 
-def run(workload: Workload, *, model_dir: str, batch_size: int = 16, dtype: str = "float32",
-        device: str = "cpu") -> dict[str, Any]:
-    """Loads the model (``dtype``, on ``device``) and generates the workload (module docstring).
+def load(model_dir: str, *, dtype: str = "float32", device: str = "cpu"):
+    """The model on ``device`` in ``dtype``, its pad token id and the load time in seconds."""
+    import torch
+    import transformers
+
+    start = time.perf_counter()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=getattr(torch, dtype)).to(device).eval()
+    load_seconds = time.perf_counter() - start
+    config = model.generation_config
+    eos = config.eos_token_id
+    pad_id = config.pad_token_id if config.pad_token_id is not None else (
+        eos[0] if isinstance(eos, list) else eos) or 0
+    return model, pad_id, load_seconds
+
+
+def generate(model, pad_id: int, workload: Workload, *, batch_size: int = 16,
+             device: str = "cpu") -> dict[str, Any]:
+    """Warms up on one short batch, then generates the workload timed (module docstring).
 
     Returns elapsed seconds (generation only), ``output_tokens`` (the
     requests' own), ``computed_tokens`` (including the batch-padding tail),
@@ -60,14 +76,6 @@ def run(workload: Workload, *, model_dir: str, batch_size: int = 16, dtype: str 
     import transformers
     from tqdm.auto import tqdm
 
-    start = time.perf_counter()
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=getattr(torch, dtype)).to(device).eval()
-    load = time.perf_counter() - start
-    config = model.generation_config
-    eos = config.eos_token_id
-    pad_id = config.pad_token_id if config.pad_token_id is not None else (
-        eos[0] if isinstance(eos, list) else eos) or 0
     groups = batches(workload, batch_size)
     with torch.inference_mode():  # warm-up: first-call overheads, one short batch
         ids, mask = _pad_left([workload.prompts[i] for i in groups[-1]], pad_id, device)
@@ -90,13 +98,24 @@ def run(workload: Workload, *, model_dir: str, batch_size: int = 16, dtype: str 
     elapsed = time.perf_counter() - start
     bar.close()
     generated = workload.num_output_tokens
-    return {"load_seconds": load, "elapsed": elapsed, "output_tokens": generated,
+    return {"elapsed": elapsed, "output_tokens": generated,
             "computed_tokens": computed, "output_tokens_per_s": generated / elapsed,
             "computed_tokens_per_s": computed / elapsed,
             "total_tokens_per_s": (generated + workload.num_prompt_tokens) / elapsed,
-            "batch_size": batch_size, "num_batches": len(groups), "dtype": dtype,
+            "batch_size": batch_size, "num_batches": len(groups),
             "device": device,
             "torch_threads": torch.get_num_threads(), "transformers": transformers.__version__,
             "torch": torch.__version__,
             "batching": "sorted by output length, generate to the batch's longest, "
                         "count each request's own tokens"}
+
+
+def run(workload: Workload, *, model_dir: str, batch_size: int = 16, dtype: str = "float32",
+        device: str = "cpu") -> dict[str, Any]:
+    """Loads the model (``dtype``, on ``device``) and generates the workload (``generate``).
+
+    Returns ``generate``'s dict plus ``load_seconds`` and ``dtype``.
+    """
+    model, pad_id, load_seconds = load(model_dir, dtype=dtype, device=device)
+    result = generate(model, pad_id, workload, batch_size=batch_size, device=device)
+    return {"load_seconds": load_seconds, "dtype": dtype, **result}

@@ -13,9 +13,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Mapping
 from typing import Any
 
-from benchmarks.compile_watch import CompileCounter
+from benchmarks.compile_watch import CacheCounter, CompileCounter
 from benchmarks.dataset import Workload
 
 logger = logging.getLogger(__name__)
@@ -95,6 +96,38 @@ def timed_generate(llm, workload: Workload) -> dict[str, Any]:
             "output_tokens_per_s": generated / elapsed,
             "total_tokens_per_s": (generated + workload.num_prompt_tokens) / elapsed,
             "requests_per_s": len(workload) / elapsed, "steps": steps, **compiles.as_dict()}
+
+
+def run_workloads(workloads: Mapping[str, Workload], *, model: str | None,
+                  tokenizer: str | None, options: EngineOptions, seed: int) -> dict[str, Any]:
+    """Loads the engine once and runs each workload on it: warm-up, then timed.
+
+    Args:
+      workloads: name -> workload, run in order on the same ``jaxserve.LLM``.
+      seed: the warm-up prompts' seed (each workload's own seed is in its prompts).
+
+    Returns:
+      ``{"load_seconds": engine construction s, "load_cache": {"cache_hits",
+      "cache_misses"}: executables the persistent compilation cache had, and
+      compiled ones written to it (0 misses: a warm cache), "workloads": {name:
+      the timed_generate dict plus warmup_seconds}}``.
+    """
+    cache = CacheCounter()
+    with cache.watch():
+        start = time.perf_counter()
+        llm = make_llm(model, tokenizer, options)
+        load = time.perf_counter() - start
+    logger.info("jaxserve: engine ready in %.1f s (compilation cache: %d hits, %d misses)",
+                load, cache.hits, cache.misses)
+    results: dict[str, Any] = {}
+    try:
+        for i, (name, workload) in enumerate(workloads.items()):
+            warm = warm_up(llm, workload, seed + i)
+            logger.info("jaxserve: %s: warm-up %.1f s; timed run", name, warm)
+            results[name] = {"warmup_seconds": warm, **timed_generate(llm, workload)}
+    finally:
+        llm.shutdown()
+    return {"load_seconds": load, "load_cache": cache.as_dict(), "workloads": results}
 
 
 def run(workload: Workload, *, model: str | None, tokenizer: str | None,

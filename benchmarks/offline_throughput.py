@@ -29,7 +29,7 @@ import pathlib
 import sys
 from typing import Any
 
-from benchmarks import common
+from benchmarks import common, vllm_leg
 from benchmarks.dataset import Workload, fixed_lengths, sharegpt_like
 
 logger = logging.getLogger(__name__)
@@ -57,8 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="transformers' static batch size (default 16)")
     parser.add_argument("--hf-device", default="cpu", help="torch device of transformers' leg")
     parser.add_argument("--skip-hf", action="store_true", help="no transformers leg")
-    parser.add_argument("--vllm-python", default=None,
-                        help="Python of a venv with vllm(-cpu) installed: run the vLLM leg there")
+    vllm_leg.add_arguments(parser)
     parser.add_argument("--profile", default=None, metavar="DIR",
                         help="profile jaxserve's timed run into DIR and print the step breakdown")
 
@@ -106,8 +105,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         legs["transformers"] = hf_leg.run(workload, model_dir=model_dir,
                                           batch_size=args.hf_batch_size, dtype=args.dtype,
                                           device=args.hf_device)
-    from benchmarks import vllm_leg
-
     python = vllm_leg.find_python(args.vllm_python)
     if python is None:
         legs["vllm"] = {"error": "vllm is not importable here and no --vllm-python was given"}
@@ -115,7 +112,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         legs["vllm"] = vllm_leg.run(workload, model_dir=model_dir, python=python,
                                     max_num_seqs=args.max_num_seqs,
                                     max_num_batched_tokens=args.max_num_batched_tokens,
-                                    dtype=args.dtype)
+                                    dtype=args.dtype,
+                                    memory_fraction=args.vllm_memory_fraction)
     jax_tps = legs["jaxserve"]["output_tokens_per_s"]
     ratios = {f"jaxserve_over_{name}": jax_tps / leg["output_tokens_per_s"]
               for name, leg in legs.items() if name != "jaxserve" and "error" not in leg}

@@ -169,3 +169,44 @@ def test_gpu_measure_script_writes_one_json(tmp_path):
     assert summary["decode_ratio_to_weight_floor"] == {
         k: s["ratio_to_weight_floor"] for k, s in out["decode"]["steps"].items()}
     assert set(out["wall_s"]) == {"kernel", "decode"}
+
+
+def test_cpu_side_by_side(tiny_model_dir, tmp_path):
+    """Every workload kind through jaxserve, transformers and a stand-in vLLM in one run."""
+    from tests.benchmarks.fake_vllm import fake_python
+
+    out = run_bench("cpu_side_by_side", tmp_path, "--model", str(tiny_model_dir),
+                    "--batch-sizes", "1", "3", "--prompt-lens", "7", "8", "--output-lens", "6", "4",
+                    "--mix-requests", "3", "--mix-input-range", "8", "40", "--mix-output-range",
+                    "4", "12", "--prefill-len", "40", "--bandwidth-mib", "64",
+                    "--bandwidth-reps", "3", "--hf-max-batch", "1",
+                    "--vllm-python", fake_python(tmp_path / "vllm"), *ENGINE)
+    table, legs = out["table"], out["legs"]
+    assert list(table) == ["batch1", "batch3", "mix", "prefill40"]
+    runs = {"jaxserve": set(table), "transformers": {"batch1", "prefill40"},  # --hf-max-batch 1
+            "vllm": set(table)}
+    for engine, cases in runs.items():
+        assert set(legs[engine]["workloads"]) == cases, engine
+        for name, row in table.items():
+            value = row[engine]
+            assert (value is not None and math.isfinite(value) and value > 0) == (name in cases)
+    for name, row in table.items():
+        workload = out["workloads"][name]
+        result = legs["jaxserve"]["workloads"][name]
+        tokens = workload["prompt_tokens"] if name == "prefill40" else workload["output_tokens"]
+        assert row["jaxserve"] == pytest.approx(tokens / result["elapsed"])
+        assert result["compiles"] == 0
+        assert row["jaxserve_over_vllm"] == pytest.approx(row["jaxserve"] / row["vllm"])
+    assert table["batch1"]["jaxserve_over_transformers"] == pytest.approx(
+        table["batch1"]["jaxserve"] / table["batch1"]["transformers"])
+    assert table["mix"]["jaxserve_over_transformers"] is None
+    assert "error" in legs["llama_cpp"] and table["batch1"]["llama_cpp"] is None
+    roof = out["roofline"]
+    assert roof["floor_tokens_per_s"] == pytest.approx(
+        roof["bandwidth"]["best_gb_s"] * 1e9 / roof["weights"]["decode_bytes"])
+    for engine in runs:
+        assert roof["ratio"][engine] == pytest.approx(
+            table["batch1"][engine] / roof["floor_tokens_per_s"])
+    assert out["startup_seconds"]["jaxserve"] > 0 and out["startup_seconds"]["vllm"] >= 0
+    assert all(v >= 0 for v in legs["jaxserve"]["load_cache"].values())
+    assert len(out["load_average_before"]) == len(out["load_average_after"]) == 3

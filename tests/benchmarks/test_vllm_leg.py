@@ -1,61 +1,17 @@
 """The vLLM leg's plumbing (runner script, subprocess, JSON) with a stand-in ``vllm`` package.
 
-vLLM itself is not installed in CI; a fake ``vllm`` module with its API's
-shape (``LLM.generate`` on token prompts, ``SamplingParams``) runs the real
-``vllm_runner.py`` in a subprocess through a wrapper interpreter, as
-``--vllm-python`` would.
+``tests.benchmarks.fake_vllm`` stands in for vLLM: the real ``vllm_runner.py``
+runs in a subprocess through a wrapper interpreter, as ``--vllm-python`` would.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import stat
 import sys
-import textwrap
 
 from benchmarks import vllm_leg
 from benchmarks.dataset import fixed_lengths, sharegpt_like
-
-FAKE_VLLM = '''
-import cProfile  # vLLM imports it through torch: our folder must not shadow ``profile``
-import types
-
-__version__ = "0.0-fake"
-
-
-class SamplingParams:
-    def __init__(self, temperature, max_tokens, ignore_eos):
-        assert temperature == 0.0 and ignore_eos
-        self.max_tokens = max_tokens
-
-
-class LLM:
-    def __init__(self, model, dtype, max_model_len, seed, max_num_seqs, max_num_batched_tokens):
-        assert dtype == "float32" and max_model_len > 0
-
-    def get_tokenizer(self):
-        return types.SimpleNamespace(vocab_size=1000)
-
-    def generate(self, prompts, params, use_tqdm):
-        params = params if isinstance(params, list) else [params] * len(prompts)
-        short = __import__("os").environ.get("FAKE_VLLM_SHORT") == "1"
-        return [types.SimpleNamespace(outputs=[types.SimpleNamespace(
-                    token_ids=list(range(p.max_tokens - short)))])
-                for p in params]
-'''
-
-
-def fake_python(tmp_path, short=False):
-    package = tmp_path / "site" / "vllm"
-    package.mkdir(parents=True)
-    (package / "__init__.py").write_text(FAKE_VLLM)
-    wrapper = tmp_path / "python"
-    wrapper.write_text(textwrap.dedent(f"""\
-        #!/bin/sh
-        FAKE_VLLM_SHORT={int(short)} PYTHONPATH={tmp_path / 'site'} exec {sys.executable} "$@"
-        """))
-    wrapper.chmod(wrapper.stat().st_mode | stat.S_IEXEC)
-    return str(wrapper)
+from tests.benchmarks.fake_vllm import fake_python
 
 
 def test_runner_round_trip(tmp_path):
@@ -77,3 +33,17 @@ def test_short_outputs_and_crashes_are_reported(tmp_path):
         crashed = vllm_leg.run(workload, model_dir=str(tmp_path), python=sys.executable,
                                max_num_seqs=4, max_num_batched_tokens=64)
         assert "exited with 1" in crashed["error"] and "vllm" in crashed["error"]
+
+
+def test_one_runner_runs_every_workload(tmp_path):
+    workloads = {"a": fixed_lengths(1, 1000, 7, 5), "b": fixed_lengths(3, 1000, 4, 2, seed=2)}
+    result = vllm_leg.run_workloads(workloads, model_dir=str(tmp_path),
+                                    python=fake_python(tmp_path), max_num_seqs=4,
+                                    max_num_batched_tokens=64, memory_fraction=0.3)
+    assert "error" not in result, result.get("error")
+    assert result["memory_fraction"] == 0.3 and result["load_seconds"] >= 0
+    assert list(result["workloads"]) == ["a", "b"]
+    for name, workload in workloads.items():
+        leg = result["workloads"][name]
+        assert leg["output_tokens"] == workload.num_output_tokens
+        assert leg["output_tokens_per_s"] == workload.num_output_tokens / leg["elapsed"]

@@ -1,0 +1,323 @@
+"""CPU side by side: jaxserve, transformers, vLLM and llama.cpp on the same workloads, one run.
+
+Run: ``jaxserve bench cpu_side_by_side [--skip-hf] [--vllm-python PATH]``
+(or ``python -m benchmarks.cpu_side_by_side``).
+
+Workloads, float32, greedy, ``ignore_eos`` (every engine generates exactly
+the asked number of tokens):
+
+- ``batch1``: 1 request, 31-token prompt, 128 new tokens;
+- ``batch16``: 16 requests × (32-token prompt, 128 new);
+- ``batch64``: 64 requests × (32-token prompt, 64 new)
+  (``--batch-sizes``, ``--prompt-lens``, ``--output-lens`` change these three);
+- ``mix``: the ShareGPT-like mix of ``offline_throughput``'s defaults
+  (16 requests, prompts 32–512, outputs 32–128; ``--mix-*``);
+- ``prefill512``: one 512-token prompt, 1 new token (``--prefill-len``):
+  its rate is *prompt* tokens/s, its time the time to first token.
+
+Legs, each loading its engine once for all its workloads, warming up on
+each workload (same prompt lengths, other tokens, 2 new tokens), then
+timing it: jaxserve (one ``jaxserve.LLM``); transformers (``model.generate``,
+one static batch per fixed-length workload, ``--hf-batch-size`` for the mix;
+batches above ``--hf-max-batch`` and the mix only with ``--hf-all``: it is
+slow; ``--skip-hf``); vLLM when ``--vllm-python`` is given or ``vllm`` is
+importable (one runner process for all workloads, ``benchmarks.vllm_leg``);
+llama.cpp when ``llama_cpp`` is importable and an F32 GGUF exists (batch 1
+only, ``benchmarks.llama_cpp_leg``).
+
+Batch-1 roofline: a decode step at batch 1 streams the weights once
+(``decode_roofline.weight_bytes``); the memory bandwidth is measured in this
+run before and after jaxserve's leg (``decode_roofline.measure_bandwidth``,
+the best of both). Floor = bandwidth / weight bytes (tokens/s); each leg's
+ratio = its batch-1 output tokens/s / floor (1.0 = at the roofline; the
+batch-1 run includes its 31-token prefill).
+
+Printed: a table, rows = workloads, columns = each engine's tokens/s and
+jaxserve's ratio to vLLM and to transformers (> 1: jaxserve is faster), the
+roofline, the engines' start-up seconds (jaxserve's ``LLM`` construction,
+vLLM's ``load_seconds``) and the load average before and after. Writes
+``<results>/cpu_side_by_side.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+from typing import Any
+
+from benchmarks import common, llama_cpp_leg, vllm_leg
+from benchmarks.dataset import Workload, fixed_lengths, sharegpt_like
+
+logger = logging.getLogger(__name__)
+
+NAME = "cpu_side_by_side"
+DTYPE = "float32"
+ENGINES = ("jaxserve", "transformers", "vllm", "llama_cpp")
+ENGINE_LABELS = {"jaxserve": "jaxserve", "transformers": "transformers", "vllm": "vLLM",
+                 "llama_cpp": "llama.cpp"}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Case:
+    """One workload of the side by side.
+
+    ``rate``: ``"output"`` (output tokens/s) or ``"prompt"`` (prompt tokens/s,
+    the prefill case). ``hf``: whether transformers runs it by default.
+    """
+
+    name: str
+    label: str
+    workload: Workload
+    rate: str = "output"
+    hf: bool = True
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    common.add_common_arguments(parser)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64],
+                        help="requests of each fixed-length workload (default 1 16 64)")
+    parser.add_argument("--prompt-lens", type=int, nargs="+", default=[31, 32, 32],
+                        help="their prompt lengths in tokens (default 31 32 32)")
+    parser.add_argument("--output-lens", type=int, nargs="+", default=[128, 128, 64],
+                        help="their output lengths in tokens (default 128 128 64)")
+    parser.add_argument("--mix-requests", type=int, default=16,
+                        help="requests of the ShareGPT-like mix (default 16; 0: no mix)")
+    parser.add_argument("--mix-input-range", type=int, nargs=2, default=(32, 512),
+                        metavar=("MIN", "MAX"), help="the mix's prompt lengths (default 32 512)")
+    parser.add_argument("--mix-output-range", type=int, nargs=2, default=(32, 128),
+                        metavar=("MIN", "MAX"), help="the mix's output lengths (default 32 128)")
+    parser.add_argument("--prefill-len", type=int, default=512,
+                        help="prompt tokens of the prefill case (default 512; 0: none)")
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--skip-hf", action="store_true", help="no transformers leg")
+    parser.add_argument("--hf-all", action="store_true",
+                        help="transformers runs every workload (default: batches up to "
+                             "--hf-max-batch and the prefill; not the mix)")
+    parser.add_argument("--hf-max-batch", type=int, default=16,
+                        help="largest fixed-length batch transformers runs without --hf-all "
+                             "(default 16)")
+    parser.add_argument("--hf-batch-size", type=int, default=16,
+                        help="transformers' static batch size on the mix (default 16)")
+    vllm_leg.add_arguments(parser)
+    parser.add_argument("--gguf", default=None,
+                        help="F32 GGUF for the llama.cpp leg (default: an F32 *.gguf in the "
+                             "demo model's cache, demo model only)")
+    parser.add_argument("--bandwidth-mib", type=int, default=512,
+                        help="size of the array the bandwidth probe streams (default 512 MiB)")
+    parser.add_argument("--bandwidth-reps", type=int, default=10)
+
+
+def make_cases(args: argparse.Namespace, vocab_size: int) -> list[Case]:
+    """The workloads (module docstring), each fixed-length one with its own seed.
+
+    Raises:
+      SystemExit: ``--batch-sizes``, ``--prompt-lens``, ``--output-lens`` differ in length.
+    """
+    if not len(args.batch_sizes) == len(args.prompt_lens) == len(args.output_lens):
+        raise SystemExit("--batch-sizes, --prompt-lens and --output-lens need one value each "
+                         f"per workload, got {args.batch_sizes}, {args.prompt_lens}, "
+                         f"{args.output_lens}")
+    cases = []
+    for i, (n, prompt, out) in enumerate(zip(args.batch_sizes, args.prompt_lens,
+                                             args.output_lens)):
+        cases.append(Case(f"batch{n}", f"{n} x ({prompt} in, {out} out)",
+                          fixed_lengths(n, vocab_size, prompt, out, seed=args.seed + 1 + i),
+                          hf=args.hf_all or n <= args.hf_max_batch))
+    if args.mix_requests > 0:
+        mix = sharegpt_like(args.mix_requests, vocab_size, seed=args.seed,
+                            input_range=tuple(args.mix_input_range),
+                            output_range=tuple(args.mix_output_range))
+        cases.append(Case("mix", f"{len(mix)} req ({mix.num_prompt_tokens} in, "
+                                 f"{mix.num_output_tokens} out)", mix, hf=args.hf_all))
+    if args.prefill_len > 0:
+        cases.append(Case(f"prefill{args.prefill_len}", f"1 x ({args.prefill_len} in, 1 out)",
+                          fixed_lengths(1, vocab_size, args.prefill_len, 1,
+                                        seed=args.seed + 100), rate="prompt"))
+    return cases
+
+
+def tokens_per_s(case: Case, leg: dict[str, Any]) -> float | None:
+    """The case's rate for one leg's result: output or prompt tokens/s; None on error."""
+    if "error" in leg:
+        return None
+    if case.rate == "prompt":
+        return case.workload.num_prompt_tokens / leg["elapsed"]
+    return leg["output_tokens"] / leg["elapsed"]
+
+
+def _bandwidth(args: argparse.Namespace) -> dict[str, float]:
+    from benchmarks import decode_roofline
+
+    logger.info("measuring memory bandwidth (%d MiB)", args.bandwidth_mib)
+    return decode_roofline.measure_bandwidth(args.bandwidth_mib, args.bandwidth_reps)
+
+
+def run_legs(args: argparse.Namespace, cases: list[Case], model_dir: str
+             ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Runs every leg; returns (legs, bandwidth).
+
+    legs: ``{engine: {"load_seconds", "workloads": {case: result}}}`` or
+    ``{engine: {"error": why}}``. bandwidth: the probe's ``{"before", "after"}``
+    (``measure_bandwidth`` dicts, GB/s; None without a ``batch1`` case).
+    """
+    from benchmarks import jaxserve_leg
+
+    workloads = {c.name: c.workload for c in cases}
+    roofline = any(c.name == "batch1" for c in cases)
+    before = _bandwidth(args) if roofline else None
+    options = jaxserve_leg.EngineOptions(max_num_seqs=args.max_num_seqs,
+                                         max_num_batched_tokens=args.max_num_batched_tokens,
+                                         dtype=DTYPE)
+    legs: dict[str, Any] = {"jaxserve": jaxserve_leg.run_workloads(
+        workloads, model=model_dir, tokenizer=args.tokenizer, options=options, seed=args.seed)}
+    legs["jaxserve"]["engine_options"] = options.as_dict()
+    after = _bandwidth(args) if roofline else None
+
+    hf_cases = [c for c in cases if c.hf]
+    if args.skip_hf:
+        legs["transformers"] = {"error": "skipped (--skip-hf)"}
+    elif not hf_cases:
+        legs["transformers"] = {"error": "no workload within --hf-max-batch (see --hf-all)"}
+    else:
+        from benchmarks import hf_leg
+
+        model, pad_id, load = hf_leg.load(model_dir, dtype=DTYPE)
+        legs["transformers"] = {"load_seconds": load, "workloads": {
+            c.name: hf_leg.generate(model, pad_id, c.workload,
+                                    batch_size=args.hf_batch_size if c.name == "mix"
+                                    else len(c.workload))
+            for c in hf_cases}}
+        del model
+
+    python = vllm_leg.find_python(args.vllm_python)
+    if python is None:
+        legs["vllm"] = {"error": "vllm is not importable here and no --vllm-python was given"}
+    else:
+        legs["vllm"] = vllm_leg.run_workloads(
+            workloads, model_dir=model_dir, python=python, max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens, dtype=DTYPE,
+            memory_fraction=args.vllm_memory_fraction)
+
+    batch1 = next((c for c in cases if c.name == "batch1"), None)
+    gguf, why = llama_cpp_leg.available(args.gguf)
+    if gguf is not None and args.gguf is None and args.model is not None:
+        gguf, why = None, "--model is not the demo model: give its F32 GGUF with --gguf"
+    if gguf is None or batch1 is None:
+        legs["llama_cpp"] = {"error": why or "no batch1 workload (it runs batch 1 only)"}
+    else:
+        try:
+            result = llama_cpp_leg.run(batch1.workload, gguf=gguf)
+            legs["llama_cpp"] = {"load_seconds": result.pop("load_seconds"),
+                                 "workloads": {"batch1": result}}
+        except Exception as err:  # a failed leg is reported, the others still count
+            logger.exception("llama.cpp leg failed")
+            legs["llama_cpp"] = {"error": f"{type(err).__name__}: {err}"}
+    return legs, {"before": before, "after": after}
+
+
+def summarize(cases: list[Case], legs: dict[str, Any], bandwidth: dict[str, Any],
+              model_dir: str) -> dict[str, Any]:
+    """The table (tokens/s and ratios per case), the roofline and the start-up seconds."""
+    table: dict[str, Any] = {}
+    for case in cases:
+        row: dict[str, Any] = {"label": case.label, "rate": f"{case.rate} tokens/s"}
+        for engine in ENGINES:
+            leg = legs.get(engine, {})
+            result = leg.get("workloads", {}).get(case.name)
+            row[engine] = None if result is None else tokens_per_s(case, result)
+        for other in ("vllm", "transformers"):
+            row[f"jaxserve_over_{other}"] = (row["jaxserve"] / row[other]
+                                             if row["jaxserve"] and row[other] else None)
+        table[case.name] = row
+    roofline = None
+    if bandwidth["before"] is not None:
+        from benchmarks import decode_roofline
+
+        weights = decode_roofline.weight_bytes(model_dir, itemsize=4)  # float32
+        best = max(bandwidth["before"]["best_gb_s"], bandwidth["after"]["best_gb_s"])
+        floor = best * 1e9 / weights["decode_bytes"]
+        roofline = {"weights": weights, "bandwidth": {**bandwidth, "best_gb_s": best},
+                    "floor_tokens_per_s": floor,
+                    "ratio": {e: (table["batch1"][e] / floor if table["batch1"][e] else None)
+                              for e in ENGINES}}
+    startup = {e: legs[e]["load_seconds"] for e in ENGINES
+               if e in legs and "load_seconds" in legs[e]}
+    return {"table": table, "roofline": roofline, "startup_seconds": startup}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    common.use_compilation_cache()  # before jax starts its backend
+    from benchmarks.offline_throughput import vocab_size
+
+    model_dir = str(common.resolve_model(args.model))
+    cases = make_cases(args, vocab_size(model_dir))
+    load_before = common.load_average()
+    legs, bandwidth = run_legs(args, cases, model_dir)
+    load_after = common.load_average()
+    summary = summarize(cases, legs, bandwidth, model_dir)
+    return {"benchmark": NAME, "args": vars(args), "environment": common.environment(),
+            "dtype": DTYPE, "load_average_before": load_before,
+            "load_average_after": load_after,
+            "workloads": {c.name: {"label": c.label, "rate": c.rate, **c.workload.summary()}
+                          for c in cases},
+            "legs": legs, **summary}
+
+
+def _cell(value: float | None, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def report(result: dict[str, Any]) -> str:
+    """The table printed at the end (module docstring)."""
+    header = (f"{'workload':34s}" + "".join(f"{ENGINE_LABELS[e]:>13s}" for e in ENGINES)
+              + f"{'jax/vLLM':>10s}{'jax/HF':>8s}")
+    lines = [f"CPU side by side, {result['dtype']}, greedy; tokens/s "
+             "(prefill: prompt tokens/s, else output tokens/s)",
+             f"load average before {result['load_average_before']}, "
+             f"after {result['load_average_after']}", header]
+    for name, row in result["table"].items():
+        lines.append(f"{name + ' ' + row['label']:34s}"
+                     + "".join(f"{_cell(row[e], '.1f'):>13s}" for e in ENGINES)
+                     + f"{_cell(row['jaxserve_over_vllm'], '.2f'):>10s}"
+                     + f"{_cell(row['jaxserve_over_transformers'], '.2f'):>8s}")
+    roof = result["roofline"]
+    if roof is not None:
+        b = roof["bandwidth"]
+        lines.append(
+            f"batch-1 roofline: {roof['weights']['decode_bytes'] / 1e6:.1f} MB of weights a "
+            f"token, bandwidth {b['best_gb_s']:.1f} GB/s (best of before "
+            f"{b['before']['best_gb_s']:.1f} / after {b['after']['best_gb_s']:.1f}) -> floor "
+            f"{roof['floor_tokens_per_s']:.1f} tok/s; measured / floor: "
+            + ", ".join(f"{ENGINE_LABELS[e]} {_cell(r, '.2f')}" for e, r in roof["ratio"].items()))
+    cache = result["legs"]["jaxserve"].get("load_cache", {})
+    warm = ("warm compilation cache" if cache.get("cache_misses") == 0 else
+            f"compilation cache: {cache.get('cache_hits')} hits, "
+            f"{cache.get('cache_misses')} compiled")
+    lines.append("start-up s: " + ", ".join(
+        f"{ENGINE_LABELS[e]} {s:.1f}" + (f" ({warm})" if e == "jaxserve" else "")
+        for e, s in result["startup_seconds"].items()))
+    for engine in ENGINES:
+        leg = result["legs"].get(engine, {})
+        if "error" in leg:
+            lines.append(f"{ENGINE_LABELS[engine]} not run: {leg['error']}")
+        for name, r in leg.get("workloads", {}).items():
+            if "error" in r:
+                lines.append(f"{ENGINE_LABELS[engine]} {name}: {r['error']}")
+            elif r.get("compiles"):
+                lines.append(f"{ENGINE_LABELS[engine]} {name}: {r['compiles']} compiles in the "
+                             "timed window")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, result, path = common.run_cli(NAME, __doc__, add_arguments, run, argv)
+    print(report(result))
+    print(f"results: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

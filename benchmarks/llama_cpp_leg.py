@@ -1,0 +1,86 @@
+"""The llama.cpp leg: batch-1 decode through ``llama_cpp`` (llama-cpp-python), F32 GGUF.
+
+Runs only where ``llama_cpp`` is importable and an F32 GGUF of the model is
+on disk (nothing is downloaded): ``--gguf PATH``, else a ``*.gguf`` whose
+name says F32 under ``$JAXSERVE_CACHE/gguf`` (the demo model's cache). The
+demo model's own GGUF there is the Q4_1 source its float32 weights were
+dequantized from: a quantized run would not compare like with like, so it
+is not used. Otherwise the leg returns ``{"error": why}``.
+
+One request: the prompt evaluated, then greedy tokens (``temp=0``) until
+the output length, end-of-sequence ignored; all cores (``n_threads``).
+Timed: prompt evaluation plus generation, like the other legs' batch-1 run.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import pathlib
+import time
+from typing import Any
+
+from benchmarks.dataset import Workload
+
+logger = logging.getLogger(__name__)
+
+
+def find_gguf(gguf: str | None) -> tuple[pathlib.Path | None, str]:
+    """The F32 GGUF to run and, when there is none, why (what was looked at)."""
+    if gguf:
+        path = pathlib.Path(gguf)
+        return (path, "") if path.is_file() else (None, f"--gguf {gguf}: no such file")
+    from jaxserve.demo_model import cache_root
+
+    folder = cache_root() / "gguf"
+    found = sorted(folder.glob("*.gguf")) if folder.is_dir() else []
+    f32 = [p for p in found if "F32" in p.name.upper()]
+    if f32:
+        return f32[0], ""
+    others = ", ".join(p.name for p in found) or "none"
+    return None, (f"no F32 GGUF under {folder} (GGUF files there: {others}; a quantized one "
+                  "is not comparable with the float32 legs) and no --gguf given")
+
+
+def available(gguf: str | None) -> tuple[pathlib.Path | None, str]:
+    """(GGUF path, "") when the leg can run, else (None, why not)."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        return None, "llama_cpp (llama-cpp-python) is not importable here"
+    return find_gguf(gguf)
+
+
+def run(workload: Workload, *, gguf: pathlib.Path) -> dict[str, Any]:
+    """Loads the GGUF, warms up (2 tokens), then generates one request timed.
+
+    Returns ``load_seconds``, ``elapsed`` (s), ``output_tokens``,
+    ``output_tokens_per_s``, ``gguf``.
+
+    Raises:
+      ValueError: the workload has more than one request.
+    """
+    if len(workload) != 1:
+        raise ValueError(f"the llama.cpp leg runs batch 1 only, got {len(workload)} requests")
+    import llama_cpp
+
+    prompt, new = list(workload.prompts[0]), workload.output_lens[0]
+    start = time.perf_counter()
+    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=len(prompt) + new + 16,
+                          n_threads=os.cpu_count(), n_batch=512, verbose=False)
+    load = time.perf_counter() - start
+
+    def generate(tokens: list[int], n: int) -> int:
+        out = 0
+        for _ in llm.generate(tokens, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, reset=True):
+            out += 1
+            if out == n:
+                break
+        return out
+
+    generate([(t + 1) % llm.n_vocab() for t in prompt], 2)  # warm-up, other tokens
+    start = time.perf_counter()
+    generated = generate(prompt, new)
+    elapsed = time.perf_counter() - start
+    return {"load_seconds": load, "elapsed": elapsed, "output_tokens": generated,
+            "output_tokens_per_s": generated / elapsed, "gguf": str(gguf),
+            "llama_cpp": getattr(llama_cpp, "__version__", "?")}
