@@ -36,7 +36,11 @@ SOURCE = pathlib.Path(__file__).with_name("paged_attention.cc")
 TARGET = "jaxserve_paged_attention_f32"
 # The head dims the kernel is instantiated for (``RunItem<H>`` in the C++).
 HEAD_DIMS = (16, 32, 64, 96, 128, 256)
-_CXXFLAGS = ("-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-std=c++17",
+# No -ffast-math: linked into a shared library it sets flush-to-zero and
+# denormals-are-zero for the whole process at load time (GCC's crtfastmath.o),
+# changing every other computation's float results. The kernel's vector code does
+# not need it.
+_CXXFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-std=c++17",
              "-fPIC", "-shared", "-w")
 
 

@@ -121,3 +121,11 @@ def test_head_dim_outside_the_kernel_defaults_to_the_reference():
 
     assert default_backend(head_dim=64) == "cpu"
     assert default_backend(head_dim=80) == "reference"
+
+
+def test_loading_the_kernel_keeps_subnormals():
+    """The library must not switch the process to flush-to-zero / denormals-are-zero
+    (what linking with -ffast-math does): every other float computation would change."""
+    assert cpu_kernels.available()
+    tiny = np.array([1e-40], np.float32)  # a float32 subnormal
+    assert (tiny * np.float32(2.0))[0] > 0
