@@ -48,6 +48,7 @@ import sys
 from typing import Any
 
 from benchmarks import common, llama_cpp_leg, vllm_leg
+from benchmarks.jaxserve_leg import add_arguments as jaxserve_leg_arguments
 from benchmarks.dataset import Workload, fixed_lengths, sharegpt_like
 
 logger = logging.getLogger(__name__)
@@ -76,6 +77,7 @@ class Case:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     common.add_common_arguments(parser)
+    jaxserve_leg_arguments(parser)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64],
                         help="requests of each fixed-length workload (default 1 16 64)")
     parser.add_argument("--prompt-lens", type=int, nargs="+", default=[31, 32, 32],
@@ -170,7 +172,7 @@ def run_legs(args: argparse.Namespace, cases: list[Case], model_dir: str
     before = _bandwidth(args) if roofline else None
     options = jaxserve_leg.EngineOptions(max_num_seqs=args.max_num_seqs,
                                          max_num_batched_tokens=args.max_num_batched_tokens,
-                                         dtype=DTYPE)
+                                         dtype=DTYPE, attention_backend=args.attention_backend)
     legs: dict[str, Any] = {"jaxserve": jaxserve_leg.run_workloads(
         workloads, model=model_dir, tokenizer=args.tokenizer, options=options, seed=args.seed)}
     legs["jaxserve"]["engine_options"] = options.as_dict()

@@ -34,6 +34,7 @@ import time
 from typing import Any
 
 from benchmarks import common
+from benchmarks.jaxserve_leg import add_arguments as jaxserve_leg_arguments
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,7 @@ _BYTES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I64": 8, "I32": 4, "I8": 1, 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     common.add_common_arguments(parser)
+    jaxserve_leg_arguments(parser)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--steps", type=int, default=64, help="timed decode steps (default 64)")
     parser.add_argument("--warmup-steps", type=int, default=8)
@@ -188,7 +190,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     weights = weight_bytes(model_dir)
     options = jaxserve_leg.EngineOptions(max_num_seqs=args.max_num_seqs,
                                          max_num_batched_tokens=args.max_num_batched_tokens,
-                                         scan_layers=args.scan_layers)
+                                         scan_layers=args.scan_layers,
+                                         attention_backend=args.attention_backend)
     start = time.perf_counter()
     llm = jaxserve_leg.make_llm(model_dir, args.tokenizer, options, profiled=bool(args.profile))
     startup_s = time.perf_counter() - start

@@ -34,9 +34,17 @@ class EngineOptions:
     enable_prefix_caching: bool = True
     dtype: str = "float32"
     scan_layers: bool = False
+    attention_backend: str | None = None  # None: the platform default
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def add_arguments(parser) -> None:
+    """The options of a benchmark that runs ``jaxserve.LLM`` in process: ``--attention-backend``."""
+    parser.add_argument("--attention-backend", default=None,
+                        help="jaxserve's attention backend: cpu, reference, pallas, pallas_interpret "
+                             "(default: the platform's; docs/model.md)")
 
 
 def make_llm(model: str | None, tokenizer: str | None, options: EngineOptions, *,
@@ -55,7 +63,8 @@ def make_llm(model: str | None, tokenizer: str | None, options: EngineOptions, *
                block_size=options.block_size, kv_cache_bytes=options.kv_cache_bytes,
                max_model_len=options.max_model_len,
                enable_prefix_caching=options.enable_prefix_caching, dtype=options.dtype,
-               scan_layers=options.scan_layers, worker=worker)
+               scan_layers=options.scan_layers, attention_backend=options.attention_backend,
+               worker=worker)
 
 
 def warm_up(llm, workload: Workload, seed: int) -> float:

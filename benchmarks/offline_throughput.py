@@ -30,6 +30,7 @@ import sys
 from typing import Any
 
 from benchmarks import common, vllm_leg
+from benchmarks.jaxserve_leg import add_arguments as jaxserve_leg_arguments
 from benchmarks.dataset import Workload, fixed_lengths, sharegpt_like
 
 logger = logging.getLogger(__name__)
@@ -39,6 +40,7 @@ NAME = "offline_throughput"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     common.add_common_arguments(parser)
+    jaxserve_leg_arguments(parser)
     parser.add_argument("--num-requests", type=int, default=16, help="requests (default 16)")
     parser.add_argument("--input-range", type=int, nargs=2, default=(32, 512),
                         metavar=("MIN", "MAX"),
@@ -94,7 +96,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     logger.info("workload: %s", workload.summary())
     options = jaxserve_leg.EngineOptions(max_num_seqs=args.max_num_seqs,
                                          max_num_batched_tokens=args.max_num_batched_tokens,
-                                         dtype=args.dtype)
+                                         dtype=args.dtype, attention_backend=args.attention_backend)
     load_before = common.load_average()
     legs: dict[str, Any] = {"jaxserve": jaxserve_leg.run(
         workload, model=model_dir, tokenizer=args.tokenizer, options=options, seed=args.seed,

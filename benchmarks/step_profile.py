@@ -26,6 +26,7 @@ import sys
 from typing import Any
 
 from benchmarks import common, offline_throughput
+from benchmarks.jaxserve_leg import add_arguments as jaxserve_leg_arguments
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +35,7 @@ NAME = "step_profile"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     common.add_common_arguments(parser)
+    jaxserve_leg_arguments(parser)
     parser.add_argument("--profile", default=None, metavar="DIR",
                         help="trace folder (default <results>/step_profile_trace)")
     parser.add_argument("--num-requests", type=int, default=16, help="requests (default 16)")
@@ -57,7 +59,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model_dir = str(common.resolve_model(args.model))
     workload = offline_throughput.make_workload(args, offline_throughput.vocab_size(model_dir))
     options = jaxserve_leg.EngineOptions(max_num_seqs=args.max_num_seqs,
-                                         max_num_batched_tokens=args.max_num_batched_tokens)
+                                         max_num_batched_tokens=args.max_num_batched_tokens,
+                                         attention_backend=args.attention_backend)
     leg = jaxserve_leg.run(workload, model=model_dir, tokenizer=args.tokenizer, options=options,
                            seed=args.seed, profile_dir=trace_dir)
     return {"benchmark": NAME, "args": vars(args), "environment": common.environment(),
