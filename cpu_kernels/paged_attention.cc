@@ -21,6 +21,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <thread>
 #include <vector>
 
@@ -386,18 +387,31 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
     return (p.seq_lens[a.row] - (p.query_start_loc[a.row + 1] - a.first)) >
            (p.seq_lens[b.row] - (p.query_start_loc[b.row + 1] - b.first));
   });
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> running{0};
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), static_cast<int64_t>(items.size()) - 1);
+  // Helper tasks share the work through one counter. The caller works too and then waits
+  // only for the helpers that started: a helper still queued when the work runs out
+  // (every pool thread busy, e.g. with other devices' calls) finds nothing to do, so
+  // nothing waits on the pool. The shared state outlives the call for such late helpers.
+  struct Shared {
+    Problem p;
+    std::vector<Item> items;
+    std::atomic<int64_t> next{0};
+    std::atomic<int64_t> active{0};
+  };
+  auto shared = std::make_shared<Shared>();
+  shared->p = p;
+  shared->items = std::move(items);
+  const int64_t num_items = static_cast<int64_t>(shared->items.size());
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), num_items - 1);
   for (int64_t i = 0; i < helpers; ++i) {
-    running.fetch_add(1);
-    pool.Schedule([&] {
-      RunItems(p, items, next);
-      running.fetch_sub(1);
+    pool.Schedule([shared] {
+      shared->active.fetch_add(1);
+      RunItems(shared->p, shared->items, shared->next);
+      shared->active.fetch_sub(1);
     });
   }
-  RunItems(p, items, next);
-  while (running.load() > 0) std::this_thread::yield();
+  RunItems(shared->p, shared->items, shared->next);
+  // Every item is claimed; a helper that claimed one registered as active before it did.
+  while (shared->active.load() > 0) std::this_thread::yield();
   return ffi::Error::Success();
 }
 

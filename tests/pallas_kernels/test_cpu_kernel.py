@@ -129,3 +129,28 @@ def test_loading_the_kernel_keeps_subnormals():
     assert cpu_kernels.available()
     tiny = np.array([1e-40], np.float32)  # a float32 subnormal
     assert (tiny * np.float32(2.0))[0] > 0
+
+
+def test_concurrent_calls_on_several_devices():
+    """One call per simulated CPU device in one program (as under tensor parallelism): the
+    calls share XLA's thread pool, and none may wait on helper tasks the pool never runs."""
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    devices = jax.devices()
+    assert len(devices) >= 2, "tests/conftest.py simulates several CPU devices"
+    rng = np.random.default_rng(11)
+    rows = [(200, 0)] + [(1, int(c)) for c in rng.integers(1, 300, 20)]
+    cases = [make_case(rng, num_heads=8, num_kv_heads=2, head_dim=64, block_size=16, rows=rows)
+             for _ in devices]
+    stacked = [jnp.stack([jnp.asarray(getattr(c, f)) for c in cases])
+               for f in ("q", "k_cache", "v_cache", "block_table", "seq_lens", "query_start_loc")]
+    mesh = Mesh(np.array(devices), ("d",))
+
+    def per_device(*args):
+        out = cpu_kernels.ragged_paged_attention(*(a[0] for a in args), sm_scale=0.125)
+        return out[None]
+
+    run = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(P("d"),) * 6, out_specs=P("d")))
+    out = np.asarray(run(*stacked))
+    for i, case in enumerate(cases):
+        assert relative_error(out[i], oracle(case, sm_scale=0.125)) < BOUND
