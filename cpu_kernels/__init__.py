@@ -8,7 +8,7 @@ The library is compiled once per machine with the system C++ compiler (``$CXX``,
 else ``g++``), ``-O3 -march=native``, against the XLA FFI headers that ship with
 jaxlib (``jax.ffi.include_dir()``), into ``$JAXSERVE_KERNEL_CACHE`` (default
 ``~/.cache/jaxserve/kernels``), keyed by a hash of the source, the compiler
-command and the CPU's feature flags. With no compiler, or a failed build,
+command, the jax and jaxlib versions and the CPU's feature flags. With no compiler, or a failed build,
 ``available()`` is False (the reason is logged once) and the model uses the
 pure-jnp reference instead.
 """
@@ -73,8 +73,10 @@ def _build() -> pathlib.Path:
         raise RuntimeError(f"the C++ compiler {cxx!r} is not an executable")
     include = jax.ffi.include_dir()
     cmd = [cxx, *_CXXFLAGS, f"-I{include}"]
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *cmd, jax.__version__, _cpu_flags(),
-                                    platform.machine()]).encode()).hexdigest()[:16]
+    import jaxlib  # its FFI headers are compiled in
+
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), *cmd, jax.__version__, jaxlib.__version__,
+                                    _cpu_flags(), platform.machine()]).encode()).hexdigest()[:16]
     path = cache_dir() / f"paged_attention-{key}.so"
     if path.exists():
         return path

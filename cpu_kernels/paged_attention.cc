@@ -211,8 +211,11 @@ void RunItemKeysInLanes(const Problem& p, const Item& it, Queries& qs, std::vect
       V16 a[HV];
 #pragma GCC unroll 16
       for (int64_t x = 0; x < HV; ++x) a[x] = acc[j * HV + x] * alpha;
-      for (int64_t c = 0; c < valid; ++c) {  // keys past ``valid`` may hold anything, NaN included
+      // Only keys this query sees: a masked key's value (before a sliding window, or past
+      // ``valid``) may hold anything, NaN included, and 0 · NaN is NaN.
+      for (int64_t c = 0; c < valid; ++c) {
         const float pc = e[c];
+        if (pc == 0.0f) continue;
         const V16u* vrow = reinterpret_cast<const V16u*>(vrows[c]);
 #pragma GCC unroll 16
         for (int64_t x = 0; x < HV; ++x) a[x] += pc * vrow[x];
@@ -299,8 +302,9 @@ void RunItemQueriesInLanes(const Problem& p, const Item& it, Queries& qs, std::v
 #pragma GCC unroll 16
         for (int64_t x = 0; x < HV; ++x) a[x] = aj[x] * az;
         const float* pz = reinterpret_cast<const float*>(prob) + z;
-        for (int64_t c = 0; c < valid; ++c) {  // keys past ``valid`` may hold anything, NaN included
+        for (int64_t c = 0; c < valid; ++c) {  // only visible keys: see RunItemKeysInLanes
           const float pc = pz[c * 16];
+          if (pc == 0.0f) continue;
           const V16u* vrow = reinterpret_cast<const V16u*>(vrows[c]);
 #pragma GCC unroll 16
           for (int64_t x = 0; x < HV; ++x) a[x] += pc * vrow[x];
@@ -375,8 +379,15 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
     return ffi::Error::InvalidArgument("paged_attention: head_dim must be 16, 32, 64, 96, 128 or 256");
   std::memset(p.out, 0, sizeof(float) * p.num_tokens * p.num_heads * p.head_dim);
   std::vector<Item> items;
+  // Rows' query tokens clamped to [0, T) and to after the previous row's: malformed
+  // metadata can neither reach outside q and out nor give two rows the same token.
+  int64_t prev_end = 0;
   for (int32_t r = 0; r < p.num_rows; ++r) {
-    const int32_t begin = p.query_start_loc[r], end = std::min<int64_t>(p.query_start_loc[r + 1], p.num_tokens);
+    const int32_t begin = static_cast<int32_t>(std::min<int64_t>(
+        std::max<int64_t>(p.query_start_loc[r], prev_end), p.num_tokens));
+    const int32_t end = static_cast<int32_t>(std::min<int64_t>(
+        std::max<int64_t>(p.query_start_loc[r + 1], begin), p.num_tokens));
+    prev_end = end;
     if (p.seq_lens[r] <= 0) continue;
     for (int32_t t = begin; t < end; t += kQueryTile)
       for (int32_t kh = 0; kh < p.num_kv_heads; ++kh)

@@ -52,9 +52,13 @@ def default_backend(head_dim: int | None = None) -> str:
 
 
 def check_backend(backend: str) -> None:
-    """Raises ValueError unless ``backend`` can run here (for ``cpu``: its kernel built)."""
+    """Raises ValueError unless ``backend`` can run here (for ``cpu``: on the CPU platform,
+    its kernel built)."""
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {ATTENTION_BACKENDS}")
+    if backend == "cpu" and jax.default_backend() != "cpu":
+        raise ValueError(f"attention backend 'cpu' runs on the CPU only; this platform is "
+                         f"{jax.default_backend()!r}")
     if backend == "cpu" and not cpu_kernels.available():
         raise ValueError(f"attention backend 'cpu': {cpu_kernels.unavailable_reason()}; "
                          "use 'reference'")

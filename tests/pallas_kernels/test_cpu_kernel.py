@@ -16,8 +16,11 @@ import cpu_kernels
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
 from tests.pallas_kernels.attention_cases import make_case, oracle, relative_error
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.available(),
-                                reason=f"no C++ kernel: {cpu_kernels.unavailable_reason()}")
+pytestmark = [
+    pytest.mark.skipif(jax.default_backend() != "cpu", reason="the C++ kernel is the CPU's"),
+    pytest.mark.skipif(jax.default_backend() == "cpu" and not cpu_kernels.available(),
+                       reason=f"no C++ kernel: {cpu_kernels.unavailable_reason()}"),
+]
 
 BOUND = 1e-5  # float32, as the reference's
 
@@ -154,3 +157,38 @@ def test_concurrent_calls_on_several_devices():
     out = np.asarray(run(*stacked))
     for i, case in enumerate(cases):
         assert relative_error(out[i], oracle(case, sm_scale=0.125)) < BOUND
+
+
+def test_nan_outside_the_sliding_window_does_not_leak():
+    """Keys before a query's window are read (the 16-key chunk starts below it) but must
+    not contribute: a NaN value there (a freed or never-written slot) stays out, as in the
+    reference. Both layouts: a 16-token prefill (queries in lanes) and a decode row."""
+    rng = np.random.default_rng(1)
+    head_dim, block_size, ctx = 32, 4, 20
+    k = rng.standard_normal((12, 1, block_size, head_dim)).astype(np.float32)
+    v = rng.standard_normal((12, 1, block_size, head_dim)).astype(np.float32)
+    table = jnp.asarray(np.arange(1, 11, dtype=np.int32)[None])
+    v[5, :, 0] = np.nan  # position 16
+    k[5, :, 0] = np.nan
+    for q_len in (16, 1):
+        args = (jnp.asarray(rng.standard_normal((q_len, 1, head_dim)).astype(np.float32)),
+                jnp.asarray(k), jnp.asarray(v), table,
+                jnp.asarray([ctx + q_len], jnp.int32), jnp.asarray([0, q_len], jnp.int32))
+        window = 4  # the first query (position 20) sees 17..20: position 16 is outside
+        out = np.asarray(cpu_kernels.ragged_paged_attention(*args, sm_scale=0.2,
+                                                            sliding_window=window))
+        ref = np.asarray(ragged_paged_attention_reference(*args, sm_scale=0.2,
+                                                          sliding_window=window))
+        assert np.isfinite(out).all(), q_len
+        assert relative_error(out, ref) < BOUND
+
+
+def test_malformed_query_start_loc_stays_inside_the_buffers():
+    """A negative or decreasing query_start_loc breaks the contract; the kernel must still
+    read and write only inside q and the output (it once corrupted the heap)."""
+    q = jnp.ones((4, 2, 32))
+    cache = jnp.ones((3, 1, 16, 32))
+    out = cpu_kernels.ragged_paged_attention(
+        q, cache, cache, jnp.ones((2, 1), jnp.int32), jnp.array([4, 4], jnp.int32),
+        jnp.array([-2, 2, 1], jnp.int32), sm_scale=1.0)
+    assert out.shape == (4, 2, 32) and np.isfinite(np.asarray(out)).all()
