@@ -69,11 +69,15 @@ def kernel_sweep(bandwidth: float, iters: int = 32) -> list[dict]:
         case = bench.Case(f"decode_R{rows}_ctx{ctx}", ((1, ctx - 1),) * rows, rows)
         args = bench.build(case, jnp.bfloat16, jax.random.key(rows))
         base = tuning_for(case.head_dim, case.block_size, jnp.bfloat16)
+        # Decode-shaped steps: the sweep varies the decode launch (TuningConfig.launch).
+        now = base.launch(rows)
         variants = [base] + [
-            dataclasses.replace(base, block_kv=bkv, num_stages=st, k_splits=ks, num_warps=nw)
-            for bkv in (64, 128) for st in (2, 4) for ks in (8, 32) for nw in (4,)
-            if (bkv, st, ks, nw) != (base.block_kv, base.num_stages, base.k_splits, base.num_warps)]
+            dataclasses.replace(base, decode_block_kv=bkv, decode_num_stages=st, k_splits=ks,
+                                decode_num_warps=nw)
+            for bkv in (64, 128) for st in (2, 3, 4) for ks in (0, 8) for nw in (4,)
+            if (bkv, st, ks, nw) != (now.block_kv, now.num_stages, base.k_splits, now.num_warps)]
         for tune in variants:
+            launch = tune.launch(rows)
             def kernel(*a, tune=tune):
                 return ragged_paged_attention(*a, sm_scale=case.head_dim ** -0.5, tuning=tune)
 
@@ -83,13 +87,13 @@ def kernel_sweep(bandwidth: float, iters: int = 32) -> list[dict]:
                 print(f"R{rows} ctx{ctx} {tune}: failed: {str(err)[:120]}", flush=True)
                 continue
             sec, moved = timing.seconds, bench.cost_bytes(case, jnp.bfloat16, tune)
-            row = dict(rows=rows, ctx=ctx, block_kv=tune.block_kv, num_stages=tune.num_stages,
-                       k_splits=tune.k_splits, num_warps=tune.num_warps, us=sec * 1e6,
+            row = dict(rows=rows, ctx=ctx, block_kv=launch.block_kv, num_stages=launch.num_stages,
+                       k_splits=tune.k_splits, num_warps=launch.num_warps, us=sec * 1e6,
                        host_sync_us=timing.host_sync_seconds * 1e6, cost_bytes=moved,
                        floor_share=moved / bandwidth / sec, pct_of_peak=100 * moved / peak / sec)
             out.append(row)
-            print(f"R{rows:3d} ctx{ctx} bkv{tune.block_kv:4d} st{tune.num_stages} "
-                  f"ks{tune.k_splits:3d} nw{tune.num_warps}: {sec * 1e6:8.1f} us  {row['floor_share'] * 100:5.1f}% of "
+            print(f"R{rows:3d} ctx{ctx} bkv{launch.block_kv:4d} st{launch.num_stages} "
+                  f"ks{tune.k_splits:3d} nw{launch.num_warps}: {sec * 1e6:8.1f} us  {row['floor_share'] * 100:5.1f}% of "
                   f"floor, {row['pct_of_peak']:5.1f}% of peak", flush=True)
         del args
     return out

@@ -68,9 +68,7 @@ def query_block(tuning: TuningConfig, *, num_tokens: int, num_heads: int,
                 num_kv_heads: int) -> int:
     """Tokens per query tile (block_q) of one call: the tile's M rows over pow2(G)."""
     group_pad = next_pow2(num_heads // num_kv_heads)
-    decode_shaped = num_tokens <= tuning.decode_max_tokens
-    block_m = max(tuning.decode_block_m if decode_shaped else tuning.block_m, group_pad)
-    return block_m // group_pad
+    return max(tuning.launch(num_tokens).block_m, group_pad) // group_pad
 
 
 def tile_schedule(query_start_loc: jax.Array, seq_lens: jax.Array, *, num_tokens: int,
@@ -280,6 +278,7 @@ def ragged_paged_attention_pallas(q, k_cache, v_cache, block_table, seq_lens, qu
     num_tokens, num_heads, head_dim = q.shape
     num_blocks, num_kv_heads, block_size, _ = k_cache.shape
     num_rows, max_blocks = block_table.shape
+    launch = tuning.launch(num_tokens)
     group_pad = next_pow2(num_heads // num_kv_heads)
     block_q = query_block(tuning, num_tokens=num_tokens, num_heads=num_heads,
                           num_kv_heads=num_kv_heads)
@@ -297,7 +296,7 @@ def ragged_paged_attention_pallas(q, k_cache, v_cache, block_table, seq_lens, qu
                      jax.ShapeDtypeStruct((num_splits, num_q_rows), jnp.float32))
     kernel = functools.partial(
         _rpa_kernel, num_heads=num_heads, num_kv_heads=num_kv_heads, block_q=block_q,
-        block_kv=tuning.block_kv, block_size=block_size, max_blocks=max_blocks,
+        block_kv=launch.block_kv, block_size=block_size, max_blocks=max_blocks,
         sm_scale=float(sm_scale), sliding_window=sliding_window, soft_cap=soft_cap,
         num_splits=num_splits)
     grid = (tiles.shape[0], num_kv_heads, num_splits)
@@ -305,15 +304,15 @@ def ragged_paged_attention_pallas(q, k_cache, v_cache, block_table, seq_lens, qu
         kernel,
         grid=grid,
         out_shape=out_shape,
-        compiler_params=plgpu.CompilerParams(num_warps=tuning.num_warps,
-                                             num_stages=tuning.num_stages),
+        compiler_params=plgpu.CompilerParams(num_warps=launch.num_warps,
+                                             num_stages=launch.num_stages),
         cost_estimate=cost_estimate(
             num_tokens=num_tokens, num_rows=num_rows, num_heads=num_heads,
             num_kv_heads=num_kv_heads, head_dim=head_dim, max_blocks=max_blocks,
             block_size=block_size, itemsize=q.dtype.itemsize, num_splits=num_splits,
             soft_cap=soft_cap is not None),
         interpret=interpret,
-        name=f"ragged_paged_attention_m{block_m}_kv{tuning.block_kv}_s{num_splits}",
+        name=f"ragged_paged_attention_m{block_m}_kv{launch.block_kv}_s{num_splits}",
     )(tiles, block_table.astype(jnp.int32), q.reshape(num_q_rows, head_dim),
       k_cache.reshape(num_blocks * num_kv_heads * block_size, head_dim),
       v_cache.reshape(num_blocks * num_kv_heads * block_size, head_dim))

@@ -1,8 +1,9 @@
 """Tunables of the Pallas ragged paged attention kernel and their default table.
 
 A variant of the kernel is a ``TuningConfig`` (a static argument), never a
-separate kernel: block sizes, Triton's ``num_warps`` / ``num_stages`` and an
-optional split-K cap; ``num_kv_splits`` holds the split-K rule. ``DEFAULT_TUNING`` is keyed by
+separate kernel: block sizes, Triton's ``num_warps`` / ``num_stages`` (each
+with a decode-shaped counterpart: ``TuningConfig.launch`` picks the set a
+step uses) and an optional split-K cap; ``num_kv_splits`` holds the split-K rule. ``DEFAULT_TUNING`` is keyed by
 ``(head_dim, block_size, dtype name)``; every entry is lowered for ``cuda`` in
 the default test suite and compiled for an H100 in the ``h100`` tier
 (scripts/h100_compile_env.sh), which is what caught shared-memory overflows
@@ -35,6 +36,17 @@ def _is_pow2(x: int) -> bool:
 
 
 @dataclasses.dataclass(frozen=True)
+class Launch:
+    """The tile sizes and Triton parameters of one kernel launch (one T bucket)."""
+
+    block_m: int  # query rows of a program, before raising it to the padded GQA group
+    block_kv: int  # keys per inner-loop iteration
+    num_warps: int
+    num_stages: int
+    decode_shaped: bool  # T <= decode_max_tokens: the decode set, and split-K allowed
+
+
+@dataclasses.dataclass(frozen=True)
 class TuningConfig:
     """One variant of the ragged paged attention kernel.
 
@@ -50,6 +62,11 @@ class TuningConfig:
         Power of two, >= 16.
       num_warps: Triton warps per program.
       num_stages: Triton software-pipelining stages of the K/V loads.
+      decode_block_kv, decode_num_warps, decode_num_stages: ``block_kv``,
+        ``num_warps`` and ``num_stages`` of decode-shaped steps; None (default)
+        takes the prefill value. A decode tile holds few query rows, so its
+        accumulator is small and shared memory left over from the q tile can
+        hold deeper K/V pipelines or larger key tiles.
       k_splits: a cap on the KV splits (flash-decoding) of a decode-shaped
         step: 0 (default) leaves the count to ``num_kv_splits``'s rule alone,
         1 disables split-K.
@@ -64,28 +81,80 @@ class TuningConfig:
     num_stages: int = 2
     k_splits: int = 0
     decode_max_tokens: int = 256
+    decode_block_kv: int | None = None
+    decode_num_warps: int | None = None
+    decode_num_stages: int | None = None
 
     def __post_init__(self):
-        for name in ("block_m", "decode_block_m", "block_kv"):
+        for name in ("block_m", "decode_block_m", "block_kv", "decode_block_kv"):
             value = getattr(self, name)
-            if not _is_pow2(value) or value < 16:
+            if value is not None and (not _is_pow2(value) or value < 16):
                 raise ValueError(f"{name} must be a power of two >= 16, got {value}")
-        if self.num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"num_warps must be a power of two <= 16, got {self.num_warps}")
-        if self.num_stages < 1 or self.k_splits < 0 or self.decode_max_tokens < 0:
+        for name in ("num_warps", "decode_num_warps"):
+            value = getattr(self, name)
+            if value is not None and value not in (1, 2, 4, 8, 16):
+                raise ValueError(f"{name} must be a power of two <= 16, got {value}")
+        stages = (self.num_stages, self.decode_num_stages)
+        if min(x for x in stages if x is not None) < 1 or self.k_splits < 0 \
+                or self.decode_max_tokens < 0:
             raise ValueError(
                 f"num_stages must be >= 1, k_splits and decode_max_tokens >= 0: {self}")
+
+    def launch(self, num_tokens: int) -> Launch:
+        """The launch parameters of a step of ``num_tokens`` (T) tokens.
+
+        Decode-shaped steps (T <= ``decode_max_tokens``) take ``decode_block_m``
+        and the ``decode_*`` fields (each falling back to its prefill value);
+        others take ``block_m``, ``block_kv``, ``num_warps``, ``num_stages``.
+        """
+        if num_tokens > self.decode_max_tokens:
+            return Launch(self.block_m, self.block_kv, self.num_warps, self.num_stages, False)
+
+        def pick(decode, prefill):
+            return prefill if decode is None else decode
+
+        return Launch(self.decode_block_m, pick(self.decode_block_kv, self.block_kv),
+                      pick(self.decode_num_warps, self.num_warps),
+                      pick(self.decode_num_stages, self.num_stages), True)
+
+
+# Decode-shaped launches (reasoned, not yet timed on a GPU): a decode tile has
+# decode_block_m = 16 query rows, so its q tile, accumulator and dot layout
+# conversions are small and shared memory goes to the K/V pipeline. Each stage
+# holds one key tile of K and V, sized to DECODE_STAGE_BYTES; the stages that fit
+# DECODE_KV_SMEM_BYTES (at most 3) keep the gathers of the next tiles in flight.
+# 96 KiB of K/V per program leaves room for two programs on one H100 SM
+# (228 KiB of shared memory per SM), which the split rule aims for.
+DECODE_STAGE_BYTES = 32 * 1024
+DECODE_KV_SMEM_BYTES = 96 * 1024
+DECODE_NUM_WARPS = 4
+
+
+def decode_launch_fields(head_dim: int, block_size: int, itemsize: int) -> dict[str, int]:
+    """``decode_block_kv`` / ``decode_num_stages`` / ``decode_num_warps`` of a table entry.
+
+    block_kv = max(S, 16, pow2 floor of DECODE_STAGE_BYTES / (2 · H · itemsize)), so
+    that one stage (a K and a V tile) is 32 KiB unless S forces more; stages =
+    clamp(DECODE_KV_SMEM_BYTES // stage bytes, 1, 3). bfloat16 at H = 64 / 128 /
+    256: 128 / 64 / 32 keys, 3 stages.
+    """
+    per_key = 2 * head_dim * itemsize  # bytes of K and V for one key
+    block_kv = max(block_size, 16, 1 << (max(1, DECODE_STAGE_BYTES // per_key).bit_length() - 1))
+    stages = min(3, max(1, DECODE_KV_SMEM_BYTES // (block_kv * per_key)))
+    return dict(decode_block_kv=block_kv, decode_num_stages=stages,
+                decode_num_warps=DECODE_NUM_WARPS)
 
 
 def _entries() -> dict[tuple[int, int, str], TuningConfig]:
     """The default table, one entry per (head_dim, block_size, dtype name).
 
-    bfloat16 keeps K/V tiles of 64 keys x H in two pipeline stages (64 KiB of
-    shared memory at H = 256); float32 tiles are twice as wide per key, so
-    they halve block_kv (and block_m at H = 256) to stay within the H100's
-    227 KiB of shared memory per block with room for the q tile and the
-    layout conversions of ``dot``. The KV tile never goes below one cache
-    block, so that one block-table entry serves whole rows of the tile.
+    Prefill-shaped launches: bfloat16 keeps K/V tiles of 64 keys x H in two
+    pipeline stages (64 KiB of shared memory at H = 256); float32 tiles are
+    twice as wide per key, so they halve block_kv (and block_m at H = 256) to
+    stay within the H100's 227 KiB of shared memory per block with room for
+    the q tile and the layout conversions of ``dot``. The KV tile never goes
+    below one cache block, so that one block-table entry serves whole rows of
+    the tile. Decode-shaped launches follow ``decode_launch_fields``.
     """
     table = {}
     for block_size in (16, 32, 64):
@@ -98,7 +167,9 @@ def _entries() -> dict[tuple[int, int, str], TuningConfig]:
                   TuningConfig(block_m=32, block_kv=32, num_warps=8, num_stages=1)),
         ):
             for dtype, cfg in (("bfloat16", bf16), ("float32", f32)):
-                cfg = dataclasses.replace(cfg, block_kv=max(cfg.block_kv, block_size))
+                cfg = dataclasses.replace(
+                    cfg, block_kv=max(cfg.block_kv, block_size),
+                    **decode_launch_fields(head_dim, block_size, jnp.dtype(dtype).itemsize))
                 table[(head_dim, block_size, dtype)] = cfg
     return table
 
@@ -144,7 +215,8 @@ def num_kv_splits(tuning: TuningConfig, *, num_tokens: int, num_rows: int, num_k
         live programs without split-K  P1 = min(T, R) * K
         NS = min(ceil(PROGRAMS_PER_SM * num_sms / P1), ceil(max_context / block_kv))
 
-    and NS = 1 for prefill-shaped steps. At most min(T, R) rows can have
+    and NS = 1 for prefill-shaped steps (block_kv is the decode launch's,
+    ``TuningConfig.launch``). At most min(T, R) rows can have
     tokens (the tile schedule gives rows with none no tile), so P1 is the
     most programs a split-free step can keep busy; NS multiplies them to about
     two per SM. The second term keeps every split at least one key tile at
@@ -159,11 +231,12 @@ def num_kv_splits(tuning: TuningConfig, *, num_tokens: int, num_rows: int, num_k
       max_context: tokens one block-table row addresses (MB * S).
       num_sms: SMs of the target GPU (default: the H100 SXM's 132).
     """
-    if num_tokens > tuning.decode_max_tokens or tuning.k_splits == 1:
+    launch = tuning.launch(num_tokens)
+    if not launch.decode_shaped or tuning.k_splits == 1:
         return 1
     programs = max(1, min(num_tokens, num_rows) * num_kv_heads)
     splits = -(-PROGRAMS_PER_SM * num_sms // programs)
-    splits = min(splits, max(1, -(-max_context // tuning.block_kv)))
+    splits = min(splits, max(1, -(-max_context // launch.block_kv)))
     if tuning.k_splits:
         splits = min(splits, tuning.k_splits)
     return max(1, splits)

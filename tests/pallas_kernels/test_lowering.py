@@ -11,7 +11,7 @@ import jax
 import pytest
 
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
-from pallas_kernels.tuning import DEFAULT_TUNING, num_kv_splits
+from pallas_kernels.tuning import DEFAULT_TUNING, TuningConfig, num_kv_splits
 from tests.pallas_kernels.shapes import (DEMO_DECODE, LLAMA3_8B_BATCH1_8K, LLAMA3_8B_DECODE_2K,
                                          LLAMA3_8B_DECODE_8K, LLAMA3_8B_PREFILL_8K, Problem,
                                          table_problems)
@@ -54,6 +54,37 @@ def test_default_table_lowers_for_cuda(key):
         assert (_splits(problem) > 1) == (shape == "decode"), shape
         lowered = _attention(problem).trace(*problem.specs()).lower(lowering_platforms=("cuda",))
         assert lowered.as_text().count(TRITON_CALL) == 1, shape
+
+
+@pytest.mark.parametrize("key", sorted(DEFAULT_TUNING), ids=lambda k: f"H{k[0]}-S{k[1]}-{k[2]}")
+def test_decode_and_prefill_launch_their_own_tiles(key):
+    """A decode-shaped call launches the entry's decode key tile, warps and stages; a
+    prefill-shaped call its prefill ones (read off the pallas_call itself)."""
+    tuning = DEFAULT_TUNING[key]
+    for shape, problem in table_problems(*key).items():
+        launch = tuning.launch(problem.num_tokens)
+        assert launch.decode_shaped == (shape == "decode")
+        want = ((tuning.decode_block_kv, tuning.decode_num_warps, tuning.decode_num_stages)
+                if shape == "decode" else (tuning.block_kv, tuning.num_warps, tuning.num_stages))
+        assert (launch.block_kv, launch.num_warps, launch.num_stages) == want
+        (call,) = pallas_calls(problem)
+        params = call.params["compiler_params"]
+        assert f"_kv{launch.block_kv}_" in str(call.params["name"])
+        assert (params.num_warps, params.num_stages) == (launch.num_warps, launch.num_stages)
+
+
+def test_decode_launch_falls_back_to_prefill_values():
+    tuning = TuningConfig(block_kv=32, num_warps=8, num_stages=2, decode_num_stages=3)
+    decode, prefill = tuning.launch(1), tuning.launch(tuning.decode_max_tokens + 1)
+    assert (decode.block_m, decode.block_kv, decode.num_warps, decode.num_stages) == (16, 32, 8, 3)
+    assert (prefill.block_m, prefill.block_kv, prefill.num_warps,
+            prefill.num_stages) == (64, 32, 8, 2)
+    with pytest.raises(ValueError, match="decode_block_kv"):
+        TuningConfig(decode_block_kv=24)
+    with pytest.raises(ValueError, match="decode_num_warps"):
+        TuningConfig(decode_num_warps=3)
+    with pytest.raises(ValueError, match="num_stages"):
+        TuningConfig(decode_num_stages=0)
 
 
 @pytest.mark.parametrize("problem", [LLAMA3_8B_DECODE_8K, LLAMA3_8B_PREFILL_8K,

@@ -37,9 +37,18 @@ SWEEP += [(dt, 16, (6, 2), h) for dt in ("float32", "bfloat16") for h in (128, 2
 
 
 def variants(head_dim: int, block_size: int, dtype: str, case) -> dict[str, TuningConfig]:
-    """The split-K and single-pass variants of the default tuning for a case."""
+    """The split-K (decode launch) and single-pass (prefill launch) variants of the default tuning.
+
+    The split variant keeps the default decode key tile when the case's context
+    spans two of them, else takes the smallest tile so that the case still splits.
+    """
     base = tuning_for(head_dim, block_size, dtype)
     split = dataclasses.replace(base, decode_max_tokens=max(base.decode_max_tokens, len(case.q)))
+    splits = num_kv_splits(split, num_tokens=len(case.q), num_rows=len(case.seq_lens),
+                           num_kv_heads=case.k_cache.shape[1],
+                           max_context=case.block_table.shape[1] * block_size)
+    if splits == 1:
+        split = dataclasses.replace(split, decode_block_kv=max(16, block_size))
     single = dataclasses.replace(base, decode_max_tokens=0, k_splits=1)
     return {"split": split, "single": single}
 
