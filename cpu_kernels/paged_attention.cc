@@ -412,7 +412,9 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   shared->p = p;
   shared->items = std::move(items);
   const int64_t num_items = static_cast<int64_t>(shared->items.size());
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), num_items - 1);
+  // The caller is not a pool thread: with as many helpers as pool threads, one more
+  // thread than cores would run, and a helper preempted mid-item stalls the whole call.
+  const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, num_items - 1);
   for (int64_t i = 0; i < helpers; ++i) {
     pool.Schedule([shared] {
       shared->active.fetch_add(1);
