@@ -35,7 +35,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from jaxserve.worker.sampler.gumbel import gumbel_max_candidates, gumbel_max_full, row_keys
 from jaxserve.worker.sampler.logprobs import token_logprobs
@@ -114,7 +113,7 @@ def sample(logits: jax.Array, metadata: SamplingMetadata, server_key: jax.Array,
     processed = process_logits(raw, m) if variant.processing else raw  # [R, V] f32
     greedy = is_greedy(m.temperature)  # [R] bool
     temperature = jnp.where(greedy, 1.0, m.temperature)  # [R] f32
-    argmax = first_argmax(processed)  # [R] i32
+    argmax = jnp.argmax(processed, axis=-1).astype(jnp.int32)  # [R]: the first max, or first NaN
     threshold = jnp.full((rows,), -jnp.inf, jnp.float32)  # [R] in z units
     token_ids = argmax
     if variant.random:
@@ -134,19 +133,6 @@ def sample(logits: jax.Array, metadata: SamplingMetadata, server_key: jax.Array,
         token_ids = jnp.where(greedy, argmax, jnp.where(in_candidates, picked, drawn))
     fields = _logprobs(token_ids, raw, processed, temperature, threshold, m, variant.logprobs)
     return SamplerOutput(token_ids, *fields)
-
-
-def first_argmax(x: jax.Array) -> jax.Array:
-    """i32[R]: per row of x f32[R, V], the first index of the maximum.
-
-    ``jnp.argmax``'s result (the first NaN in a row with NaN), computed as a
-    max and a min over a where, which the CPU backend runs ~4x faster than
-    ``jnp.argmax``'s variadic reduction (measured at R = 64, V = 49,152).
-    """
-    row_max = jnp.max(x, axis=-1, keepdims=True)  # [R, 1]
-    index = lax.broadcasted_iota(jnp.int32, x.shape, 1)  # [R, V]
-    match = (x == row_max) | jnp.isnan(x)  # [R, V] bool
-    return jnp.min(jnp.where(match, index, x.shape[1]), axis=-1)
 
 
 def _logprobs(token_ids: jax.Array, raw: jax.Array, processed: jax.Array,
