@@ -103,8 +103,8 @@ def _median_seconds(fn, *args, reps: int) -> float:
 def measure_bandwidth(mib: int, reps: int) -> dict[str, float]:
     """GB/s (1e9 bytes/s) at which XLA streams one f32 array ``W [K, N]``, three ways.
 
-    ``matvec`` ``W @ y[N]`` (rows contiguous: XLA's matrix-vector path),
-    ``vecmat`` ``x[1, K] @ W`` (the model's layout at batch 1) and ``sum``
+    ``matvec`` ``W @ y[N]`` (rows contiguous: the model's layout at batch 1),
+    ``vecmat`` ``x[1, K] @ W`` and ``sum``
     (a reduction); ``best_gb_s`` is the fastest of them.
     """
     import jax

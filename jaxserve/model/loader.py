@@ -60,10 +60,6 @@ def resolve_dtype(dtype: str | jnp.dtype) -> jnp.dtype:
     return jnp.dtype(dtype)
 
 
-def _t(x: jax.Array) -> jax.Array:  # HF Linear weights are [out, in]; ours are [in, out]
-    return x.T
-
-
 def _ident(x: jax.Array) -> jax.Array:
     return x
 
@@ -84,11 +80,11 @@ class _FusedLayout:
     num_shards: int
 
     def _fuse(self, parts: list[jax.Array], sizes: tuple[int, ...]) -> jax.Array:
-        """HF [out, in] weights (or [out] biases) → one [in, Σ out] (or [Σ out]), grouped."""
-        fused = jnp.concatenate([x.T for x in parts], axis=-1)
+        """HF [out, in] weights (or [out] biases) → one [Σ out, in] (or [Σ out]), grouped."""
+        fused = jnp.concatenate(parts, axis=0)
         if self.num_shards == 1:
             return fused
-        return fused[..., sharding.fused_column_order(sizes, self.num_shards)]
+        return fused[sharding.fused_output_order(sizes, self.num_shards)]
 
     def _kv_heads(self, x: jax.Array) -> jax.Array:
         """A k or v projection's [K·H, ...] rows → the built model's [K'·H, ...]."""
@@ -115,7 +111,7 @@ def _hf_sources(path: tuple, layout: _FusedLayout) -> tuple[list[str], Callable[
     if path == ("norm", "weight"):
         return ["model.norm.weight"], _ident
     if path == ("lm_head",):
-        return ["lm_head.weight"], _t
+        return ["lm_head.weight"], _ident
     _, i, *rest = path
     pre = f"model.layers.{i}."
     table = {
@@ -123,12 +119,12 @@ def _hf_sources(path: tuple, layout: _FusedLayout) -> tuple[list[str], Callable[
         ("post_attn_norm", "weight"): ([pre + "post_attention_layernorm.weight"], _ident),
         ("attn", "qkv_proj"): ([pre + f"self_attn.{p}_proj.weight" for p in "qkv"], layout.qkv),
         ("attn", "qkv_bias"): ([pre + f"self_attn.{p}_proj.bias" for p in "qkv"], layout.qkv),
-        ("attn", "o_proj"): ([pre + "self_attn.o_proj.weight"], _t),
+        ("attn", "o_proj"): ([pre + "self_attn.o_proj.weight"], _ident),
         ("attn", "q_norm", "weight"): ([pre + "self_attn.q_norm.weight"], _ident),
         ("attn", "k_norm", "weight"): ([pre + "self_attn.k_norm.weight"], _ident),
         ("mlp", "gate_up_proj"): ([pre + f"mlp.{p}_proj.weight" for p in ("gate", "up")],
                                   layout.gate_up),
-        ("mlp", "down_proj"): ([pre + "mlp.down_proj.weight"], _t),
+        ("mlp", "down_proj"): ([pre + "mlp.down_proj.weight"], _ident),
     }
     return table[tuple(rest)]
 
@@ -270,9 +266,13 @@ def load_model(model_dir: str | os.PathLike | None = None, dtype: str | jnp.dtyp
     return config, StaticGraph(graphdef), params
 
 
+# The kernels' layout (``llama.linear``); a checkpoint converted with another is refused.
+KERNEL_LAYOUT = "out_in"
+
+
 def _layout(mesh) -> dict:
     """What a checkpoint's parameters depend on besides config, dtype and scan_layers."""
-    return {"tensor_parallel_size": sharding.mesh_size(mesh)}
+    return {"tensor_parallel_size": sharding.mesh_size(mesh), "kernels": KERNEL_LAYOUT}
 
 
 def _restore(path: pathlib.Path, config: ModelConfig, dtype: jnp.dtype, scan_layers: bool,

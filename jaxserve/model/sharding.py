@@ -4,16 +4,18 @@ One worker drives ``tensor_parallel_size`` (TP) devices through a 1-D
 ``jax.sharding.Mesh`` whose one axis is ``TP_AXIS``. The split is Megatron-LM's
 (Shoeybi et al., 2019, section 3), as vLLM does it:
 
-- column-parallel ``qkv_proj`` ``[D, (N + 2K)·H]`` and ``gate_up_proj``
-  ``[D, 2F]``: device i holds whole query heads ``i·N/TP ..``, their KV heads
-  and the i-th slice of the MLP's F columns. The loader stores the fused
-  columns **grouped by device** (``fused_column_order``): group i is
+Kernels are stored ``[out, in]`` (``jaxserve.model.llama.linear``).
+
+- column-parallel ``qkv_proj`` ``[(N + 2K)·H, D]`` and ``gate_up_proj``
+  ``[2F, D]``: device i holds whole query heads ``i·N/TP ..``, their KV heads
+  and the i-th slice of the MLP's F outputs. The loader stores the fused
+  output rows **grouped by device** (``fused_output_order``): group i is
   ``[q heads of i | k heads of i | v heads of i]``, or ``[gate_i | up_i]``, so a
-  plain split of the last axis into TP equal parts gives every device whole
+  plain split of the output axis into TP equal parts gives every device whole
   heads. With TP = 1 the layout is the usual ``[q | k | v]`` and ``[gate | up]``.
-- row-parallel ``o_proj`` ``[N·H, D]`` and ``down_proj`` ``[F, D]``: split on
+- row-parallel ``o_proj`` ``[D, N·H]`` and ``down_proj`` ``[D, F]``: split on
   their input axis; XLA inserts one all-reduce after each (two per layer).
-- the embedding ``[V, D]`` and the LM head ``[D, V]`` are split over the
+- the embedding and the LM head, both ``[V, D]``, are split over the
   vocabulary when TP divides V (else replicated); the logits are gathered to
   full rows before the sampler, so sampling is exactly TP = 1's.
 - norms are replicated; the KV cache ``[B, K, S, H]`` is split over its KV
@@ -42,8 +44,8 @@ from jaxserve.config import ModelConfig
 TP_AXIS = "tp"
 
 # Parameter name → the axis (counted from the end) split over the mesh.
-_COLUMN = ("qkv_proj", "qkv_bias", "gate_up_proj")  # output features: the last axis
-_ROW = ("o_proj", "down_proj")  # input features: the second-to-last axis
+_COLUMN = ("qkv_proj", "gate_up_proj")  # output features: the second-to-last axis of [out, in]
+_ROW = ("o_proj", "down_proj")  # input features: the last axis
 
 
 def make_mesh(tensor_parallel_size: int, devices=None) -> Mesh | None:
@@ -81,17 +83,18 @@ def kv_head_sources(config: ModelConfig, num_kv_heads: int) -> list[int]:
     return [j * config.num_kv_heads // num_kv_heads for j in range(num_kv_heads)]
 
 
-def fused_column_order(sizes: tuple[int, ...], num_shards: int) -> np.ndarray:
-    """Column permutation that groups fused projection parts by device.
+def fused_output_order(sizes: tuple[int, ...], num_shards: int) -> np.ndarray:
+    """Permutation of a fused projection's output features that groups its parts by device.
 
     Args:
-      sizes: the widths of the concatenated parts, e.g. ``(N·H, K·H, K·H)``
+      sizes: the output widths of the concatenated parts, e.g. ``(N·H, K·H, K·H)``
         for q, k, v or ``(F, F)`` for gate, up; each divisible by ``num_shards``.
       num_shards: TP.
 
     Returns:
-      i64[sum(sizes)]: ``fused[:, order]`` is ``[part 0 of device 0 | part 1 of
-      device 0 | ... | part 0 of device 1 | ...]``; the identity for TP = 1.
+      i64[sum(sizes)]: ``fused[order]`` (rows of an ``[out, in]`` kernel, or a
+      bias) is ``[part 0 of device 0 | part 1 of device 0 | ... | part 0 of
+      device 1 | ...]``; the identity for TP = 1.
     """
     starts = np.cumsum((0,) + sizes[:-1])
     return np.concatenate([
@@ -108,11 +111,11 @@ def param_partition_spec(path: tuple, ndim: int, vocab_size: int, num_shards: in
     name = str(path[-1]) if path[-1] != "weight" else str(path[-2])
     axis = None
     if name in _COLUMN:
-        axis = ndim - 1
-    elif name in _ROW:
         axis = ndim - 2
+    elif name in _ROW or name == "qkv_bias":  # a bias [out] splits like its outputs
+        axis = ndim - 1
     elif name in ("embed", "lm_head") and vocab_size % num_shards == 0:
-        axis = 0 if name == "embed" else 1
+        axis = ndim - 2  # [V, D]
     if axis is None:
         return P()
     return P(*[TP_AXIS if a == axis else None for a in range(ndim)])

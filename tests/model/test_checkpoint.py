@@ -90,7 +90,7 @@ def test_restore_into_tensor_parallel_shardings(tmp_path, scan_layers):
         for shard in shards:
             assert shard.data.shape == sharding.shard_shape(got.shape), path
     qkv = restored["layers"]["attn"]["qkv_proj"] if scan_layers else restored["layers"][0]["attn"]["qkv_proj"]
-    assert qkv.addressable_shards[0].data.shape[-1] == qkv.shape[-1] // 2
+    assert qkv.addressable_shards[0].data.shape[-2] == qkv.shape[-2] // 2  # [out, in]
 
 
 def test_many_int_layer_keys_restore_by_path(tmp_path):

@@ -50,7 +50,7 @@ def test_tied_and_untied_heads(arch, tied, tmp_path):
         assert "lm_head" not in state
     else:
         np.testing.assert_array_equal(np.asarray(state["lm_head"][...]),
-                                      hf.lm_head.weight.detach().numpy().T)
+                                      hf.lm_head.weight.detach().numpy())
 
 
 def test_bfloat16_weights_and_logits(tmp_path):

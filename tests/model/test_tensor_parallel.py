@@ -56,9 +56,9 @@ def test_tp_logits_match_one_device(arch, scan_layers, tmp_path):
         # Parameters really are split: each device holds 1/TP of a projection.
         layer = state["layers"] if scan_layers else state["layers"][0]
         qkv = layer["attn"]["qkv_proj"]
-        assert qkv.sharding.spec[-1] == sharding.TP_AXIS
-        assert {s.data.shape[-1] for s in qkv.addressable_shards} == {qkv.shape[-1] // tp}
-        assert layer["mlp"]["down_proj"].sharding.spec[-2] == sharding.TP_AXIS
+        assert qkv.sharding.spec[-2] == sharding.TP_AXIS  # [out, in]: split over outputs
+        assert {s.data.shape[-2] for s in qkv.addressable_shards} == {qkv.shape[-2] // tp}
+        assert layer["mlp"]["down_proj"].sharding.spec[-1] == sharding.TP_AXIS  # over inputs
 
 
 def _config(**fields) -> ModelConfig:
@@ -83,22 +83,23 @@ def test_for_tensor_parallel_fits_or_refuses():
         _config(num_heads=12, num_kv_heads=6, intermediate_size=48).for_tensor_parallel(4)
 
 
-def test_fused_column_order_groups_parts_by_device():
+def test_fused_output_order_groups_parts_by_device():
     # q has 4 columns, k and v 2 each; two devices.
-    order = sharding.fused_column_order((4, 2, 2), 2)
+    order = sharding.fused_output_order((4, 2, 2), 2)
     assert order.tolist() == [0, 1, 4, 6, 2, 3, 5, 7]
-    assert sharding.fused_column_order((4, 2, 2), 1).tolist() == list(range(8))
+    assert sharding.fused_output_order((4, 2, 2), 1).tolist() == list(range(8))
 
 
 def test_partition_specs():
     spec = sharding.param_partition_spec
-    assert spec(("layers", 0, "attn", "qkv_proj"), 2, 256, 2) == P(None, "tp")
-    assert spec(("layers", "attn", "qkv_proj"), 3, 256, 2) == P(None, None, "tp")
-    assert spec(("layers", 0, "mlp", "down_proj"), 2, 256, 2) == P("tp", None)
+    assert spec(("layers", 0, "attn", "qkv_proj"), 2, 256, 2) == P("tp", None)
+    assert spec(("layers", "attn", "qkv_proj"), 3, 256, 2) == P(None, "tp", None)
+    assert spec(("layers", 0, "attn", "qkv_bias"), 1, 256, 2) == P("tp")
+    assert spec(("layers", 0, "mlp", "down_proj"), 2, 256, 2) == P(None, "tp")
     assert spec(("layers", 0, "attn", "q_norm", "weight"), 1, 256, 2) == P()
     assert spec(("embed",), 2, 256, 2) == P("tp", None)
     assert spec(("embed",), 2, 255, 2) == P()  # V not divisible: replicated
-    assert spec(("lm_head",), 2, 256, 4) == P(None, "tp")
+    assert spec(("lm_head",), 2, 256, 4) == P("tp", None)
 
 
 def test_make_mesh_refuses_too_many_devices():
