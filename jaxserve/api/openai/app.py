@@ -195,11 +195,13 @@ def build_app(front: HttpFrontEnd) -> FastAPI:
                            serving.runner.engine.error or "the server is shutting down")
         return Response(status_code=200)
 
+    created = int(time.time())  # the model card's time: when this server started, not per call
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         runner = front._serving().runner
         return {"object": "list", "data": [{
-            "id": runner.model_name, "object": "model", "created": int(time.time()),
+            "id": runner.model_name, "object": "model", "created": created,
             "owned_by": "jaxserve", "max_model_len": runner.preparer.limits.max_model_len}]}
 
     @app.get("/v1/models/{model_id:path}")
