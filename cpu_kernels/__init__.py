@@ -4,7 +4,11 @@
 ``cpu`` attention backend, ``jaxserve.model.attention``). Its contract and
 results are ``pallas_kernels.ragged_paged_attention_reference``'s.
 
-The library is compiled once per machine with the system C++ compiler (``$CXX``,
+``matmul.cc`` is the matrix product of few rows against a kernel stored
+``[out, in]`` (``matmul``), which ``jaxserve.model.llama.linear`` uses for
+float32 products of fewer than ``MATMUL_MAX_ROWS`` rows on the CPU.
+
+Both are compiled into one library once per machine with the system C++ compiler (``$CXX``,
 else ``g++``), ``-O3 -march=native``, against the XLA FFI headers that ship with
 jaxlib (``jax.ffi.include_dir()``), into ``$JAXSERVE_KERNEL_CACHE`` (default
 ``~/.cache/jaxserve/kernels``), keyed by a hash of the source, the compiler
@@ -32,8 +36,16 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-SOURCE = pathlib.Path(__file__).with_name("paged_attention.cc")
+SOURCES = tuple(pathlib.Path(__file__).with_name(name)
+                for name in ("paged_attention.cc", "matmul.cc"))
 TARGET = "jaxserve_paged_attention_f32"
+MATMUL_TARGET = "jaxserve_matmul_f32"
+# Products with fewer rows than this run the C++ kernel; from 64 rows XLA's own
+# (YNNPACK) is as fast or faster. Measured on the demo model's shapes, 2 cores:
+# a 30-layer chain of its four products plus the LM head, XLA / C++ kernel,
+# 1 row 23.9 / 21.0 ms, 8 rows 43.5 / 26.8, 16 rows 50.8 / 36.7, 32 rows
+# 61.9 / 47.1, 64 rows 87.2 / 87.2, 128 rows 144.8 / 168.9 (docs/benchmarks.md).
+MATMUL_MAX_ROWS = 64
 # The head dims the kernel is instantiated for (``RunItem<H>`` in the C++).
 HEAD_DIMS = (16, 32, 64, 96, 128, 256)
 # No -ffast-math: linked into a shared library it sets flush-to-zero and
@@ -75,15 +87,16 @@ def _build() -> pathlib.Path:
     cmd = [cxx, *_CXXFLAGS, f"-I{include}"]
     import jaxlib  # its FFI headers are compiled in
 
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *cmd, jax.__version__, jaxlib.__version__,
+    key = hashlib.sha256("\0".join([*(src.read_text() for src in SOURCES), *cmd, jax.__version__, jaxlib.__version__,
                                     _cpu_flags(), platform.machine()]).encode()).hexdigest()[:16]
-    path = cache_dir() / f"paged_attention-{key}.so"
+    path = cache_dir() / f"kernels-{key}.so"
     if path.exists():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         out = pathlib.Path(tmp, path.name)
-        proc = subprocess.run([*cmd, str(SOURCE), "-o", str(out)], capture_output=True, text=True)
+        proc = subprocess.run([*cmd, *map(str, SOURCES), "-o", str(out)], capture_output=True,
+                              text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
         os.replace(out, path)  # atomic: concurrent builders each write a complete file
@@ -98,8 +111,11 @@ def _load() -> str | None:
         lib = ctypes.cdll.LoadLibrary(str(_build()))
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxservePagedAttentionF32),
                                     platform="cpu")
+        jax.ffi.register_ffi_target(MATMUL_TARGET, jax.ffi.pycapsule(lib.JaxserveMatmulF32),
+                                    platform="cpu")
     except (OSError, RuntimeError, AttributeError) as err:
-        logger.warning("CPU attention kernel unavailable, using the jnp reference: %s", err)
+        logger.warning("CPU kernels unavailable, using the jnp attention reference and XLA's "
+                       "products: %s", err)
         return str(err)
     return None
 
@@ -147,3 +163,27 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
         sm_scale=np.float32(sm_scale), sliding_window=np.int64(sliding_window or 0),
         soft_cap=np.float32(soft_cap or 0.0))
     return out.astype(q.dtype)
+
+
+def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [..., K] times w [N, K] transposed (``x @ w.T``) → [..., N], float32, by the C++ kernel.
+
+    The product ``jaxserve.model.llama.linear`` runs for few rows on the CPU
+    (see ``MATMUL_MAX_ROWS``); agrees with XLA's to float32 rounding (another
+    summation order).
+
+    Raises:
+      RuntimeError: the kernels could not be built (``available()`` is False).
+      ValueError: w is not 2-D, K differs, or an operand is not float32.
+    """
+    if w.ndim != 2 or x.shape[-1] != w.shape[1]:
+        raise ValueError(f"matmul: x [..., K] and w [N, K] expected, got {x.shape} and {w.shape}")
+    if x.dtype != jnp.float32 or w.dtype != jnp.float32:
+        raise ValueError(f"matmul: float32 operands expected, got {x.dtype} and {w.dtype}")
+    why = _load()
+    if why is not None:
+        raise RuntimeError(f"the CPU kernels are unavailable: {why}")
+    rows = x.reshape(-1, x.shape[-1])
+    out = jax.ffi.ffi_call(MATMUL_TARGET, jax.ShapeDtypeStruct((rows.shape[0], w.shape[0]),
+                                                               jnp.float32))(rows, w)
+    return out.reshape(*x.shape[:-1], w.shape[0])

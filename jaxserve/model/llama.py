@@ -35,11 +35,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import cpu_kernels
 
 from jaxserve.config import ModelConfig
 from jaxserve.model import rope
@@ -54,9 +57,26 @@ def _param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: jnp.dtype) -> nnx.Para
     return nnx.Param(_INIT_STD * jax.random.normal(rngs.params(), shape, dtype))
 
 
-def linear(x: jax.Array, kernel: jax.Array) -> jax.Array:
-    """x [..., in] times a kernel stored [out, in] (``x @ kernel.T``) → [..., out]."""
+def _xla_linear(x: jax.Array, kernel: jax.Array) -> jax.Array:
     return jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (1,)), ((), ())))
+
+
+def linear(x: jax.Array, kernel: jax.Array, *, tensor_parallel: bool = False) -> jax.Array:
+    """x [..., in] times a kernel stored [out, in] (``x @ kernel.T``) → [..., out].
+
+    On the CPU, a float32 product of fewer than ``cpu_kernels.MATMUL_MAX_ROWS``
+    rows runs the C++ kernel (``cpu_kernels.matmul``) where it builds: it streams
+    the kernel once for all rows, where XLA's CPU product of 2 to 32 rows runs
+    far below memory speed. Everything else, a kernel split over a tensor-parallel
+    mesh included, is XLA's product. The platform is chosen at lowering
+    (``jax.lax.platform_dependent``), so lowering for a GPU keeps XLA's product.
+    """
+    rows = math.prod(x.shape[:-1])
+    if (tensor_parallel or rows >= cpu_kernels.MATMUL_MAX_ROWS or x.dtype != jnp.float32
+            or kernel.dtype != jnp.float32 or jax.default_backend() != "cpu"
+            or not cpu_kernels.available()):
+        return _xla_linear(x, kernel)
+    return jax.lax.platform_dependent(x, kernel, cpu=cpu_kernels.matmul, default=_xla_linear)
 
 
 class RMSNorm(nnx.Module):
@@ -113,7 +133,7 @@ class Attention(nnx.Module):
         n, k, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         g = mesh_size(self.mesh)  # device groups of the fused columns
         t = x.shape[0]
-        qkv = linear(x, self.qkv_proj[...])  # [T, (N + 2K)·H]
+        qkv = linear(x, self.qkv_proj[...], tensor_parallel=g > 1)  # [T, (N + 2K)·H]
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias[...]
         qkv = qkv.reshape(t, g, -1)  # [T, TP, (N + 2K)·H / TP]
@@ -133,7 +153,8 @@ class Attention(nnx.Module):
                                    in_specs=(heads, heads, heads, cache, cache, P()),
                                    out_specs=(heads, cache, cache), check_vma=False)
         out, k_cache, v_cache = attend(q, key, value, k_cache, v_cache, metadata)
-        return linear(out.reshape(t, n * h), self.o_proj[...]), k_cache, v_cache
+        return (linear(out.reshape(t, n * h), self.o_proj[...], tensor_parallel=g > 1),
+                k_cache, v_cache)
 
 
 class MLP(nnx.Module):
@@ -150,9 +171,10 @@ class MLP(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         """x: [T, D] → [T, D]."""
         t, g = x.shape[0], self.num_groups
-        gate_up = linear(x, self.gate_up_proj[...]).reshape(t, g, 2, -1)  # [T, TP, 2, F / TP]
+        gate_up = linear(x, self.gate_up_proj[...], tensor_parallel=g > 1)
+        gate_up = gate_up.reshape(t, g, 2, -1)  # [T, TP, 2, F / TP]
         gate, up = gate_up[:, :, 0].reshape(t, -1), gate_up[:, :, 1].reshape(t, -1)  # [T, F]
-        return linear(jax.nn.silu(gate) * up, self.down_proj[...])
+        return linear(jax.nn.silu(gate) * up, self.down_proj[...], tensor_parallel=g > 1)
 
 
 class DecoderLayer(nnx.Module):
@@ -259,7 +281,8 @@ class CausalLM(nnx.Module):
     def logits(self, hidden: jax.Array) -> jax.Array:
         """hidden [R, D] → f32[R, V] (whole rows on every device of a mesh)."""
         head = self.embed if self.lm_head is None else self.lm_head  # [V, D] either way
-        out = linear(hidden, head[...]).astype(jnp.float32)
+        out = linear(hidden, head[...], tensor_parallel=mesh_size(self.mesh) > 1)
+        out = out.astype(jnp.float32)
         if self.mesh is not None:  # the sampler sees full rows, as with one device
             out = jax.lax.with_sharding_constraint(out, NamedSharding(self.mesh, P()))
         return out

@@ -53,11 +53,12 @@ logger = logging.getLogger(__name__)
 
 _TRACED_SOURCES = ("jaxserve/model", "jaxserve/worker", "pallas_kernels", "cpu_kernels",
                    "jaxserve/config.py")
-# Pallas' Triton kernels and the C++ CPU kernel are custom calls that jax.export
+# Pallas' Triton kernels and the C++ CPU kernels are custom calls that jax.export
 # does not vouch for across versions; the key pins the versions and the sources,
 # so they are safe to store here.
 _DISABLED_CHECKS = (export.DisabledSafetyCheck.custom_call("triton_kernel_call"),
-                    export.DisabledSafetyCheck.custom_call(cpu_kernels.TARGET))
+                    export.DisabledSafetyCheck.custom_call(cpu_kernels.TARGET),
+                    export.DisabledSafetyCheck.custom_call(cpu_kernels.MATMUL_TARGET))
 
 
 @functools.cache

@@ -1,0 +1,90 @@
+"""The C++ matrix product of few rows (``cpu_kernels.matmul``) against float64 and XLA's product,
+and where ``jaxserve.model.llama.linear`` uses it.
+
+Shapes cover the kernel's register blocks (4 rows × 6 columns), its work items
+(48 columns, 64 rows) and every tail: rows, columns and K that are not
+multiples of them.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import cpu_kernels
+from jaxserve.model.llama import linear
+
+pytestmark = [
+    pytest.mark.skipif(jax.default_backend() != "cpu", reason="the C++ kernel is the CPU's"),
+    pytest.mark.skipif(jax.default_backend() == "cpu" and not cpu_kernels.available(),
+                       reason=f"no C++ kernel: {cpu_kernels.unavailable_reason()}"),
+]
+
+
+def _operands(m: int, n: int, k: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed + 1000 * m + 10 * n + k)
+    return (rng.standard_normal((m, k)).astype(np.float32),
+            rng.standard_normal((n, k)).astype(np.float32))
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 16, 63, 64, 65, 130])
+@pytest.mark.parametrize("n,k", [(1, 1), (6, 16), (47, 15), (49, 17), (96, 100), (300, 576)])
+def test_matches_float64_and_xla(m, n, k):
+    x, w = _operands(m, n, k)
+    out = np.asarray(jax.jit(cpu_kernels.matmul)(jnp.asarray(x), jnp.asarray(w)))
+    exact = x.astype(np.float64) @ w.astype(np.float64).T
+    # float32 sums of k products: error bounded by ~k·eps times the sum of |terms|
+    scale = np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64).T
+    assert out.shape == (m, n) and out.dtype == np.float32
+    np.testing.assert_array_less(np.abs(out - exact), 4 * k * np.finfo(np.float32).eps * scale + 1e-30)
+    xla = np.asarray(jax.jit(lambda a, b: a @ b.T)(jnp.asarray(x), jnp.asarray(w)))
+    np.testing.assert_allclose(out, xla, rtol=1e-4, atol=1e-4 * np.sqrt(k))
+
+
+def test_leading_axes_and_non_finite_rows():
+    """x [..., K] keeps its leading axes; a NaN row stays in its own outputs."""
+    x, w = _operands(6, 50, 64)
+    x = x.reshape(2, 3, 64)
+    x[1, 2, 5] = np.nan
+    out = np.asarray(cpu_kernels.matmul(jnp.asarray(x), jnp.asarray(w)))
+    assert out.shape == (2, 3, 50)
+    assert np.isnan(out[1, 2]).all()
+    np.testing.assert_allclose(out[0], x[0] @ w.T, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(out[1, :2], x[1, :2] @ w.T, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("x_shape,w_shape,dtype,match", [
+    ((4, 8), (3, 9), jnp.float32, "K"),
+    ((4, 8), (3, 8, 1), jnp.float32, "K"),
+    ((4, 8), (3, 8), jnp.bfloat16, "float32"),
+])
+def test_refuses_bad_operands(x_shape, w_shape, dtype, match):
+    with pytest.raises(ValueError, match=match):
+        cpu_kernels.matmul(jnp.zeros(x_shape, jnp.float32), jnp.zeros(w_shape, dtype))
+
+
+def _uses_kernel(x, w, **kwargs) -> bool:
+    text = jax.jit(lambda a, b: linear(a, b, **kwargs)).lower(x, w).as_text()
+    return cpu_kernels.MATMUL_TARGET in text
+
+
+def test_linear_uses_the_kernel_for_few_float32_rows_only():
+    w = jnp.zeros((32, 16), jnp.float32)
+    few, many = cpu_kernels.MATMUL_MAX_ROWS - 1, cpu_kernels.MATMUL_MAX_ROWS
+    assert _uses_kernel(jnp.zeros((few, 16), jnp.float32), w)
+    assert _uses_kernel(jnp.zeros((1, 16), jnp.float32), w)
+    assert not _uses_kernel(jnp.zeros((many, 16), jnp.float32), w)
+    assert not _uses_kernel(jnp.zeros((few, 16), jnp.float32), w, tensor_parallel=True)
+    assert not _uses_kernel(jnp.zeros((few, 16), jnp.bfloat16), w.astype(jnp.bfloat16))
+    # lowered for a GPU, the CPU kernel is not in the program
+    text = jax.jit(linear).trace(jnp.zeros((4, 16), jnp.float32), w).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert cpu_kernels.MATMUL_TARGET not in text and "dot_general" in text
+
+
+@pytest.mark.parametrize("m", [1, 16, cpu_kernels.MATMUL_MAX_ROWS])
+def test_linear_agrees_with_xla_on_either_side_of_the_threshold(m):
+    x, w = _operands(m, 96, 64, seed=7)
+    out = np.asarray(jax.jit(linear)(jnp.asarray(x), jnp.asarray(w)))
+    np.testing.assert_allclose(out, x.astype(np.float64) @ w.astype(np.float64).T,
+                               rtol=1e-5, atol=1e-4)
