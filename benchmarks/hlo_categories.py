@@ -23,8 +23,9 @@ Categories (CATEGORIES), first rule that matches:
    ``sampl``;
 4. ``other``: norms, RoPE, the embedding gather, residual adds, copies.
 
-Matmuls: a ``dot`` / ``convolution`` is ``matmul`` (the LM head included)
-unless it belongs to attention. A fusion takes the category of its dot if
+Matmuls: a ``dot`` / ``convolution``, or a custom call made by the C++ CPU
+product (innermost frame ``cpu_kernels`` ``matmul``), is ``matmul`` (the LM
+head included) unless it belongs to attention. A fusion takes the category of its dot if
 it has one, else of its root instruction, else its members' majority
 (``categorize``).
 """
@@ -167,6 +168,13 @@ def _is_sampler(i: Instruction) -> bool:
         i.frame is not None and "/worker/sampler/" in i.frame[0])
 
 
+def _is_product(i: Instruction) -> bool:
+    """A dot, or the C++ CPU product's custom call (``cpu_kernels.matmul``)."""
+    return i.opcode in ("dot", "convolution") or (
+        i.opcode == "custom-call" and i.frame is not None
+        and i.frame[0].endswith("cpu_kernels/__init__.py") and i.frame[1] == "matmul")
+
+
 _TRIVIAL = frozenset(("parameter", "constant", "bitcast", "get-tuple-element", "tuple"))
 
 
@@ -190,7 +198,7 @@ def categorize(instr: Instruction, computations: dict[str, list[Instruction]],
     """
     members = list(computations.get(instr.calls, ())) if instr.calls else []
     members = [m for m in members if m.opcode not in _TRIVIAL] or [instr]
-    dots = [m for m in members if m.opcode in ("dot", "convolution")]
+    dots = [m for m in members if _is_product(m)]
     if dots:
         return "attention" if any(_is_attention(d) for d in dots) else "matmul"
     category = _member_category(members[-1])  # the ROOT is printed last
