@@ -22,10 +22,11 @@ weights. Kernels are stored ``[out, in]``, as PyTorch's ``nn.Linear`` and the
 checkpoints store them (``linear``): on the CPU, XLA's products of 16 to 64
 rows ran 11–21 % faster against ``[out, in]`` kernels than against
 ``[in, out]`` ones in a 30-layer chain of the demo model's shapes, and equal
-within noise at 1 to 8 rows (docs/model.md).
+within noise at 1 to 8 rows (docs/model.md). Products of fewer than 64 rows on
+the CPU run the C++ kernel ``cpu_kernels.matmul``, which reads that layout too.
 
 Built with a ``mesh`` (tensor parallel over TP devices, ``jaxserve.model.sharding``),
-the fused columns are grouped by device and the model splits them per group;
+the fused output features are grouped by device and the model splits them per group;
 the KV write and attention run per device under ``jax.shard_map`` (each device
 its own KV heads), and the logits are gathered to full rows. Without a mesh
 (TP = 1) the same code runs with one group.
@@ -131,13 +132,13 @@ class Attention(nnx.Module):
         """x: [T, D]; cos, sin: f32[T, H/2]; caches [B, K, S, H] → ([T, D], k_cache, v_cache)."""
         cfg = self.config
         n, k, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        g = mesh_size(self.mesh)  # device groups of the fused columns
+        g = mesh_size(self.mesh)  # device groups of the fused output features
         t = x.shape[0]
         qkv = linear(x, self.qkv_proj[...], tensor_parallel=g > 1)  # [T, (N + 2K)·H]
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias[...]
         qkv = qkv.reshape(t, g, -1)  # [T, TP, (N + 2K)·H / TP]
-        nq, nk = n // g * h, k // g * h  # one group's q and k (or v) columns
+        nq, nk = n // g * h, k // g * h  # one group's q and k (or v) features
         q = qkv[:, :, :nq].reshape(t, n, h)  # [T, N, H]
         key = qkv[:, :, nq: nq + nk].reshape(t, k, h)  # [T, K, H]
         value = qkv[:, :, nq + nk:].reshape(t, k, h)  # [T, K, H]

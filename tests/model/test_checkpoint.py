@@ -200,7 +200,7 @@ def test_save_model_checkpoint_restores_bitwise_into_its_mesh(tmp_path):
     assert_bitwise_equal(restored, converted)
     for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(converted)):
         assert got.sharding == want.sharding
-    # Another tensor-parallel size groups the fused columns differently: refused.
+    # Another tensor-parallel size groups the fused output features differently: refused.
     with pytest.raises(ValueError, match="checkpoint config.num_kv_heads is 2, expected 4"):
         load_model(out, "float32", mesh=sharding.make_mesh(4))  # KV heads replicated at TP=4
     with pytest.raises(ValueError, match="checkpoint layout.*converted for "
