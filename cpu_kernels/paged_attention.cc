@@ -36,6 +36,10 @@ constexpr int kQueryTile = 16;
 constexpr int64_t kChunk = 16;
 // Query vectors per item from which they go 16 to a vector (RunItemQueriesInLanes).
 constexpr int kQueriesInLanesAt = 12;
+// Multiply-adds below which a call runs on the calling thread alone: ~20 µs of one core's
+// vector work, about what waking a pool thread and waiting for it costs. A decode row of
+// the demo model with 100 tokens of context is ~1.2·10^5 (2 · 100 keys · 9 heads · 64).
+constexpr int64_t kSerialWork = 1 << 19;
 // Masked scores: finite (see MASK_VALUE in pallas_kernels/rpa_reference.py).
 constexpr float kMask = -1e30f;
 
@@ -414,7 +418,14 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   const int64_t num_items = static_cast<int64_t>(shared->items.size());
   // The caller is not a pool thread: with as many helpers as pool threads, one more
   // thread than cores would run, and a helper preempted mid-item stalls the whole call.
-  const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, num_items - 1);
+  // Multiply-adds of the call (scores and values): below kSerialWork the caller runs every
+  // item itself, as starting a helper takes longer than the work.
+  int64_t work = 0;
+  for (const Item& it : shared->items)
+    work += 2 * static_cast<int64_t>(p.seq_lens[it.row]) * it.count * (p.num_heads / p.num_kv_heads) *
+            p.head_dim;
+  const int64_t helpers =
+      work < kSerialWork ? 0 : std::min<int64_t>(pool.num_threads() - 1, num_items - 1);
   for (int64_t i = 0; i < helpers; ++i) {
     pool.Schedule([shared] {
       shared->active.fetch_add(1);
