@@ -23,6 +23,7 @@ import ctypes
 import functools
 import hashlib
 import logging
+import math
 import os
 import pathlib
 import platform
@@ -183,7 +184,7 @@ def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     why = _load()
     if why is not None:
         raise RuntimeError(f"the CPU kernels are unavailable: {why}")
-    rows = x.reshape(-1, x.shape[-1])
+    rows = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
     out = jax.ffi.ffi_call(MATMUL_TARGET, jax.ShapeDtypeStruct((rows.shape[0], w.shape[0]),
                                                                jnp.float32))(rows, w)
     return out.reshape(*x.shape[:-1], w.shape[0])
