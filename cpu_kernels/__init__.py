@@ -39,6 +39,8 @@ logger = logging.getLogger(__name__)
 
 SOURCES = tuple(pathlib.Path(__file__).with_name(name)
                 for name in ("paged_attention.cc", "matmul.cc"))
+# Included by the sources; part of the build's cache key.
+HEADERS = (pathlib.Path(__file__).with_name("parallel.h"),)
 TARGET = "jaxserve_paged_attention_f32"
 MATMUL_TARGET = "jaxserve_matmul_f32"
 # Products with fewer rows than this run the C++ kernel; from 64 rows XLA's own
@@ -88,7 +90,7 @@ def _build() -> pathlib.Path:
     cmd = [cxx, *_CXXFLAGS, f"-I{include}"]
     import jaxlib  # its FFI headers are compiled in
 
-    key = hashlib.sha256("\0".join([*(src.read_text() for src in SOURCES), *cmd, jax.__version__, jaxlib.__version__,
+    key = hashlib.sha256("\0".join([*(src.read_text() for src in (*SOURCES, *HEADERS)), *cmd, jax.__version__, jaxlib.__version__,
                                     _cpu_flags(), platform.machine()]).encode()).hexdigest()[:16]
     path = cache_dir() / f"kernels-{key}.so"
     if path.exists():

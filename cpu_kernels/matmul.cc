@@ -12,7 +12,7 @@
 // reused from L1 for every row block of x. While one block is used, the next one
 // is prefetched into L2, spread evenly over the block's multiply-adds, so that
 // memory traffic overlaps arithmetic. Work items of kColsPerItem columns (and up
-// to kRowsPerItem rows) run on XLA's intra-op thread pool.
+// to kRowsPerItem rows) run on XLA's intra-op thread pool (parallel.h).
 //
 // The sums run in another order than XLA's (lanes, then across lanes), so results
 // agree with XLA's product to float32 rounding, not bit for bit.
@@ -21,8 +21,8 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
-#include <thread>
 
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -127,13 +127,10 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
   if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2 || xd[1] != wd[1] || yd[0] != xd[0] ||
       yd[1] != wd[0])
     return ffi::Error::InvalidArgument("matmul: x [M, K], w [N, K], y [M, N]");
-  // Helpers share the items through one counter; the caller works too and then waits
-  // only for helpers that started (paged_attention.cc explains why).
   struct Shared {
     Problem p;
     int64_t num_items;
     std::atomic<int64_t> next{0};
-    std::atomic<int64_t> active{0};
   };
   auto shared = std::make_shared<Shared>();
   Problem& p = shared->p;
@@ -145,19 +142,11 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
   p.N = wd[0];
   p.col_items = (p.N + kColsPerItem - 1) / kColsPerItem;
   shared->num_items = p.col_items * ((p.M + kRowsPerItem - 1) / kRowsPerItem);
-  auto run = [](Shared& s) {
-    for (int64_t i = s.next.fetch_add(1); i < s.num_items; i = s.next.fetch_add(1)) RunItem(s.p, i);
+  auto work = [shared] {
+    for (int64_t i = shared->next.fetch_add(1); i < shared->num_items; i = shared->next.fetch_add(1))
+      RunItem(shared->p, i);
   };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, shared->num_items - 1);
-  for (int64_t i = 0; i < helpers; ++i) {
-    pool.Schedule([shared, run] {
-      shared->active.fetch_add(1);
-      run(*shared);
-      shared->active.fetch_sub(1);
-    });
-  }
-  run(*shared);
-  while (shared->active.load() > 0) std::this_thread::yield();
+  jaxserve::RunWithHelpers(pool, std::min(jaxserve::MaxHelpers(pool), shared->num_items - 1), work);
   return ffi::Error::Success();
 }
 

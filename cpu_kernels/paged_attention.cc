@@ -14,7 +14,7 @@
 // 16 queries in the lanes (the queries transposed once per item, a key's scores
 // are H multiply-adds, and the softmax runs on whole vectors). FlashAttention's
 // online softmax (Dao et al., 2022, Alg. 1) merges the chunks. Items run on
-// XLA's intra-op thread pool.
+// XLA's intra-op thread pool (parallel.h).
 
 #include <algorithm>
 #include <atomic>
@@ -25,6 +25,7 @@
 #include <thread>
 #include <vector>
 
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -402,40 +403,26 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
     return (p.seq_lens[a.row] - (p.query_start_loc[a.row + 1] - a.first)) >
            (p.seq_lens[b.row] - (p.query_start_loc[b.row + 1] - b.first));
   });
-  // Helper tasks share the work through one counter. The caller works too and then waits
-  // only for the helpers that started: a helper still queued when the work runs out
-  // (every pool thread busy, e.g. with other devices' calls) finds nothing to do, so
-  // nothing waits on the pool. The shared state outlives the call for such late helpers.
+  // The items go to the pool (parallel.h); the shared state outlives the call for late helpers.
   struct Shared {
     Problem p;
     std::vector<Item> items;
     std::atomic<int64_t> next{0};
-    std::atomic<int64_t> active{0};
   };
   auto shared = std::make_shared<Shared>();
   shared->p = p;
   shared->items = std::move(items);
   const int64_t num_items = static_cast<int64_t>(shared->items.size());
-  // The caller is not a pool thread: with as many helpers as pool threads, one more
-  // thread than cores would run, and a helper preempted mid-item stalls the whole call.
   // Multiply-adds of the call (scores and values): below kSerialWork the caller runs every
   // item itself, as starting a helper takes longer than the work.
-  int64_t work = 0;
+  int64_t macs = 0;
   for (const Item& it : shared->items)
-    work += 2 * static_cast<int64_t>(p.seq_lens[it.row]) * it.count * (p.num_heads / p.num_kv_heads) *
+    macs += 2 * static_cast<int64_t>(p.seq_lens[it.row]) * it.count * (p.num_heads / p.num_kv_heads) *
             p.head_dim;
   const int64_t helpers =
-      work < kSerialWork ? 0 : std::min<int64_t>(pool.num_threads() - 1, num_items - 1);
-  for (int64_t i = 0; i < helpers; ++i) {
-    pool.Schedule([shared] {
-      shared->active.fetch_add(1);
-      RunItems(shared->p, shared->items, shared->next);
-      shared->active.fetch_sub(1);
-    });
-  }
-  RunItems(shared->p, shared->items, shared->next);
-  // Every item is claimed; a helper that claimed one registered as active before it did.
-  while (shared->active.load() > 0) std::this_thread::yield();
+      macs < kSerialWork ? 0 : std::min<int64_t>(jaxserve::MaxHelpers(pool), num_items - 1);
+  jaxserve::RunWithHelpers(pool, helpers,
+                           [shared] { RunItems(shared->p, shared->items, shared->next); });
   return ffi::Error::Success();
 }
 

@@ -68,8 +68,8 @@ def code_fingerprint() -> str:
     digest = hashlib.sha256()
     for entry in _TRACED_SOURCES:
         path = root / entry
-        files = (sorted([*path.rglob("*.py"), *path.rglob("*.cc")]) if path.is_dir()
-                 else [path])
+        files = (sorted([*path.rglob("*.py"), *path.rglob("*.cc"), *path.rglob("*.h")])
+                 if path.is_dir() else [path])
         for file in files:
             digest.update(str(file.relative_to(root)).encode())
             digest.update(file.read_bytes())
