@@ -84,6 +84,27 @@ inline V16 Fold(V16 v, bool take_max) {
 inline float LaneSum(V16 v) { return Fold(v, false)[0]; }
 inline float LaneMax(V16 v) { return Fold(v, true)[0]; }
 
+// Lane sums of 16 vectors as one vector: lane t = the sum of v[t]'s lanes. A transposing
+// tree of four levels, each pairing two vectors with two two-source shuffles and an add
+// (30 shuffles in all, where 16 LaneSums take 64); it adds the lanes in LaneSum's order
+// (lane i with i + 8, then + 4, + 2, + 1), so each sum is bit for bit LaneSum's.
+inline V16 LaneSums16(const V16* v) {
+  static const I16 lo[4] = {{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
+                            {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27},
+                            {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29},
+                            {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30}};
+  V16 cur[16];
+  for (int t = 0; t < 16; ++t) cur[t] = v[t];
+  int n = 16;
+  for (int level = 0; level < 4; ++level, n /= 2) {
+    const I16 hi = lo[level] + (8 >> level);  // the partner lanes
+    for (int t = 0; t < n / 2; ++t)
+      cur[t] = __builtin_shuffle(cur[2 * t], cur[2 * t + 1], lo[level]) +
+               __builtin_shuffle(cur[2 * t], cur[2 * t + 1], hi);
+  }
+  return cur[0];
+}
+
 // exp(x) for x <= 0, 16 lanes: 2^(x·log2 e) = 2^n · 2^f with n = round(x·log2 e) and
 // f in [-1/2, 1/2]; 2^f = e^(f·ln 2) by its Taylor polynomial of degree 7 (the first omitted
 // term, (ln 2 / 2)^8 / 8!, bounds the relative error by 5e-9). x below -87 (the masked -1e30
@@ -153,13 +174,20 @@ void LoadQueries(const Problem& p, const Item& it, int64_t H, Queries& out) {
 void ChunkRows(const Problem& p, const Item& it, int64_t H, int64_t base, int64_t valid,
                const float** krows, const float** vrows) {
   const int32_t* table = p.block_table + static_cast<int64_t>(it.row) * p.max_blocks;
+  // One division per chunk: consecutive positions walk a block's slots, then the next block.
+  int64_t index = base / p.block_size, slot = base % p.block_size, start = 0;
   for (int64_t c = 0; c < valid; ++c) {
-    const int64_t pos = base + c;
-    int64_t block = table[std::min<int64_t>(pos / p.block_size, p.max_blocks - 1)];
-    block = std::min<int64_t>(std::max<int64_t>(block, 0), p.num_blocks - 1);
-    const int64_t offset = ((block * p.num_kv_heads + it.kv_head) * p.block_size + pos % p.block_size) * H;
-    krows[c] = p.k + offset;
-    vrows[c] = p.v + offset;
+    if (c == 0 || slot == 0) {
+      int64_t block = table[std::min<int64_t>(index, p.max_blocks - 1)];
+      block = std::min<int64_t>(std::max<int64_t>(block, 0), p.num_blocks - 1);
+      start = (block * p.num_kv_heads + it.kv_head) * p.block_size * H;
+    }
+    krows[c] = p.k + start + slot * H;
+    vrows[c] = p.v + start + slot * H;
+    if (++slot == p.block_size) {
+      slot = 0;
+      ++index;
+    }
   }
 }
 
@@ -179,7 +207,7 @@ void StoreOutputs(const Problem& p, const Item& it, int64_t H, const float* acc,
 const V16 kLane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 
 // Few query vectors (decode: G of them): a query's 16 scores of a chunk are one
-// vector, one dot product (H/16 FMAs and a lane sum) per key.
+// vector: a dot product (H/16 FMAs) per key, the 16 lane sums at once (LaneSums16).
 template <int H>
 void RunItemKeysInLanes(const Problem& p, const Item& it, Queries& qs, std::vector<V16>& scratch) {
   constexpr int64_t HV = H / 16;
@@ -195,14 +223,15 @@ void RunItemKeysInLanes(const Problem& p, const Item& it, Queries& qs, std::vect
     const V16 kpos = kLane + static_cast<float>(base);
     for (int64_t j = 0; j < nq; ++j) {
       const V16u* qj = reinterpret_cast<const V16u*>(qs.q.data() + j * H);  // not 64-byte aligned
-      V16 s = V16{} + kMask;
+      V16 d[kChunk];
       for (int64_t c = 0; c < valid; ++c) {
         const V16u* krow = reinterpret_cast<const V16u*>(krows[c]);
-        V16 d = qj[0] * krow[0];
+        d[c] = qj[0] * krow[0];
 #pragma GCC unroll 16
-        for (int64_t x = 1; x < HV; ++x) d += qj[x] * krow[x];
-        s[c] = LaneSum(d);
+        for (int64_t x = 1; x < HV; ++x) d[c] += qj[x] * krow[x];
       }
+      for (int64_t c = valid; c < kChunk; ++c) d[c] = V16{};  // past key_hi: masked below
+      V16 s = LaneSums16(d);
       if (p.soft_cap > 0.0f)
         for (int64_t c = 0; c < kChunk; ++c) s[c] = p.soft_cap * std::tanh(s[c] / p.soft_cap);
       s = (kpos <= qs.pos[j]) & (kpos >= qs.lo[j]) ? s : V16{} + kMask;
