@@ -94,11 +94,13 @@ class TuningConfig:
             value = getattr(self, name)
             if value is not None and value not in (1, 2, 4, 8, 16):
                 raise ValueError(f"{name} must be a power of two <= 16, got {value}")
-        stages = (self.num_stages, self.decode_num_stages)
-        if min(x for x in stages if x is not None) < 1 or self.k_splits < 0 \
-                or self.decode_max_tokens < 0:
-            raise ValueError(
-                f"num_stages must be >= 1, k_splits and decode_max_tokens >= 0: {self}")
+        for name in ("num_stages", "decode_num_stages"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        for name in ("k_splits", "decode_max_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
     def launch(self, num_tokens: int) -> Launch:
         """The launch parameters of a step of ``num_tokens`` (T) tokens.

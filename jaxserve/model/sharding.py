@@ -46,6 +46,7 @@ TP_AXIS = "tp"
 # Parameter name → the axis (counted from the end) split over the mesh.
 _COLUMN = ("qkv_proj", "gate_up_proj")  # output features: the second-to-last axis of [out, in]
 _ROW = ("o_proj", "down_proj")  # input features: the last axis
+_BIAS = ("qkv_bias",)  # a bias [out] splits like its outputs: its only (last) axis
 
 
 def make_mesh(tensor_parallel_size: int, devices=None) -> Mesh | None:
@@ -112,7 +113,7 @@ def param_partition_spec(path: tuple, ndim: int, vocab_size: int, num_shards: in
     axis = None
     if name in _COLUMN:
         axis = ndim - 2
-    elif name in _ROW or name == "qkv_bias":  # a bias [out] splits like its outputs
+    elif name in _ROW or name in _BIAS:
         axis = ndim - 1
     elif name in ("embed", "lm_head") and vocab_size % num_shards == 0:
         axis = ndim - 2  # [V, D]

@@ -218,3 +218,21 @@ def test_save_model_checkpoint_restores_bitwise_into_its_mesh(tmp_path):
         load_model(tmp_path / "hf", "float32", mesh=mesh, load_format="orbax")
     with pytest.raises(ValueError, match="load_format"):
         load_model(out, "float32", load_format="pickle")
+
+
+def test_a_checkpoint_of_the_older_kernel_layout_is_refused(tmp_path):
+    """A checkpoint written before kernels were kept ``[out, in]`` has no ``kernels`` entry in its
+    layout; ``load_model`` refuses it, naming the layout, rather than serving transposed weights."""
+    from tests.model.hf_tiny import make_tiny_model
+
+    make_tiny_model("LlamaForCausalLM", tmp_path / "hf")
+    out = save_model_checkpoint(tmp_path / "hf", tmp_path / "ckpt", "float32")
+    load_model(out, "float32")  # as written: accepted
+    meta_path = out / METADATA_FILE
+    meta = json.loads(meta_path.read_text())
+    assert meta["layout"]["kernels"] == "out_in"
+    del meta["layout"]["kernels"]
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=r"checkpoint layout is \{'tensor_parallel_size': 1\}, "
+                                         r"expected .*'kernels': 'out_in'.*convert the model again"):
+        load_model(out, "float32")

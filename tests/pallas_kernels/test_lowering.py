@@ -83,8 +83,14 @@ def test_decode_launch_falls_back_to_prefill_values():
         TuningConfig(decode_block_kv=24)
     with pytest.raises(ValueError, match="decode_num_warps"):
         TuningConfig(decode_num_warps=3)
-    with pytest.raises(ValueError, match="num_stages"):
+    with pytest.raises(ValueError, match="decode_num_stages"):
         TuningConfig(decode_num_stages=0)
+    with pytest.raises(ValueError, match="^num_stages"):
+        TuningConfig(num_stages=0)
+    with pytest.raises(ValueError, match="k_splits"):
+        TuningConfig(k_splits=-1)
+    with pytest.raises(ValueError, match="decode_max_tokens"):
+        TuningConfig(decode_max_tokens=-1)
 
 
 @pytest.mark.parametrize("problem", [LLAMA3_8B_DECODE_8K, LLAMA3_8B_PREFILL_8K,
