@@ -6,7 +6,7 @@ results are ``pallas_kernels.ragged_paged_attention_reference``'s.
 
 ``matmul.cc`` is the matrix product of few rows against a kernel stored
 ``[out, in]`` (``matmul``), which ``jaxserve.model.llama.linear`` uses for
-float32 products of fewer than ``MATMUL_MAX_ROWS`` rows on the CPU.
+float32 products of at most ``MATMUL_MAX_ROWS`` rows on the CPU.
 
 Both are compiled into one library once per machine with the system C++ compiler (``$CXX``,
 else ``g++``), ``-O3 -march=native``, against the XLA FFI headers that ship with
@@ -43,12 +43,13 @@ SOURCES = tuple(pathlib.Path(__file__).with_name(name)
 HEADERS = (pathlib.Path(__file__).with_name("parallel.h"),)
 TARGET = "jaxserve_paged_attention_f32"
 MATMUL_TARGET = "jaxserve_matmul_f32"
-# Products with fewer rows than this run the C++ kernel; from 64 rows XLA's own
-# (YNNPACK) is as fast or faster. Measured on the demo model's shapes, 2 cores:
-# a 30-layer chain of its four products plus the LM head, XLA / C++ kernel,
-# 1 row 23.9 / 21.0 ms, 8 rows 43.5 / 26.8, 16 rows 50.8 / 36.7, 32 rows
-# 61.9 / 47.1, 64 rows 87.2 / 87.2, 128 rows 144.8 / 168.9 (docs/benchmarks.md).
-MATMUL_MAX_ROWS = 64
+# Products of at most this many rows run the C++ kernel; beyond, XLA's own
+# (YNNPACK), which was level at 256 rows and faster at 512. Measured on the demo
+# model's shapes, 2 cores: a 30-layer chain of its four products plus the LM head,
+# XLA / C++ kernel, 1 row 21.7 / 18.7 ms, 8 rows 42.3 / 24.7, 16 rows 46.0 / 32.1,
+# 32 rows 54.7 / 44.0, 64 rows 75.3 / 63.8, 128 rows 126.6 / 114.4, 256 rows
+# 233.1 / 235.7, 512 rows 442.8 / 467.2 (one run, median of 7; docs/kernels.md).
+MATMUL_MAX_ROWS = 128
 # The head dims the kernel is instantiated for (``RunItem<H>`` in the C++).
 HEAD_DIMS = (16, 32, 64, 96, 128, 256)
 # No -ffast-math: linked into a shared library it sets flush-to-zero and

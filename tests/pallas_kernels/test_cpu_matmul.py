@@ -1,9 +1,11 @@
 """The C++ matrix product of few rows (``cpu_kernels.matmul``) against float64 and XLA's product,
 and where ``jaxserve.model.llama.linear`` uses it.
 
-Shapes cover the kernel's register blocks (4 rows × 6 columns), its work items
-(48 columns, 64 rows) and every tail: rows, columns and K that are not
-multiples of them.
+Shapes cover both forms of the kernel (the dot form below 32 rows, the outer-product
+form from 32), their register blocks (4 rows × 6 columns; 64 rows × 6 columns), work
+items (48 columns; 24 columns of one row block), K chunks (128) and row blocks (up to
+64 rows, balanced: 80 rows are 48 + 32), and every tail: rows, columns and K that are
+not multiples of them.
 """
 
 import jax
@@ -27,8 +29,9 @@ def _operands(m: int, n: int, k: int, seed: int = 0) -> tuple[np.ndarray, np.nda
             rng.standard_normal((n, k)).astype(np.float32))
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 16, 63, 64, 65, 130])
-@pytest.mark.parametrize("n,k", [(1, 1), (6, 16), (47, 15), (49, 17), (96, 100), (300, 576)])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 16, 31, 32, 33, 63, 64, 65, 80, 128, 130, 200])
+@pytest.mark.parametrize("n,k", [(1, 1), (6, 16), (47, 15), (49, 17), (96, 100), (300, 576),
+                                 (25, 257)])
 def test_matches_float64_and_xla(m, n, k):
     x, w = _operands(m, n, k)
     out = np.asarray(jax.jit(cpu_kernels.matmul)(jnp.asarray(x), jnp.asarray(w)))
@@ -78,7 +81,7 @@ def _uses_kernel(x, w, **kwargs) -> bool:
 
 def test_linear_uses_the_kernel_for_few_float32_rows_only():
     w = jnp.zeros((32, 16), jnp.float32)
-    few, many = cpu_kernels.MATMUL_MAX_ROWS - 1, cpu_kernels.MATMUL_MAX_ROWS
+    few, many = cpu_kernels.MATMUL_MAX_ROWS, cpu_kernels.MATMUL_MAX_ROWS + 1
     assert _uses_kernel(jnp.zeros((few, 16), jnp.float32), w)
     assert _uses_kernel(jnp.zeros((1, 16), jnp.float32), w)
     assert not _uses_kernel(jnp.zeros((many, 16), jnp.float32), w)
@@ -90,7 +93,7 @@ def test_linear_uses_the_kernel_for_few_float32_rows_only():
     assert cpu_kernels.MATMUL_TARGET not in text and "dot_general" in text
 
 
-@pytest.mark.parametrize("m", [1, 16, cpu_kernels.MATMUL_MAX_ROWS])
+@pytest.mark.parametrize("m", [1, 16, 64, cpu_kernels.MATMUL_MAX_ROWS, cpu_kernels.MATMUL_MAX_ROWS + 1])
 def test_linear_agrees_with_xla_on_either_side_of_the_threshold(m):
     x, w = _operands(m, 96, 64, seed=7)
     out = np.asarray(jax.jit(linear)(jnp.asarray(x), jnp.asarray(w)))
