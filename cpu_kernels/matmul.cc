@@ -100,7 +100,9 @@ struct Problem {
   int64_t col_items;  // items along N
 };
 
-void RunItem(const Problem& p, int64_t item) {
+// Runs `item`; its last block of w prefetches `after` (the first block of the
+// thread's next item, or nothing).
+void RunItem(const Problem& p, int64_t item, const float* after) {
   const int64_t m0 = item / p.col_items * kRowsPerItem, m1 = std::min(p.M, m0 + kRowsPerItem);
   const int64_t n0 = item % p.col_items * kColsPerItem, n1 = std::min(p.N, n0 + kColsPerItem);
   const int64_t block_bytes = kColBlock * p.K * static_cast<int64_t>(sizeof(float));
@@ -110,8 +112,10 @@ void RunItem(const Problem& p, int64_t item) {
   int64_t n = n0;
   for (; n + kColBlock <= n1; n += kColBlock) {
     const float* w = p.w + n * p.K;
-    const char* next = reinterpret_cast<const char*>(w) + block_bytes;
-    Prefetch pf{next, std::min(w_end, next + block_bytes), lines_per_step};
+    const char* next = n + 2 * kColBlock <= n1 ? reinterpret_cast<const char*>(w) + block_bytes
+                                               : reinterpret_cast<const char*>(after);
+    Prefetch pf{next, next == nullptr ? nullptr : std::min(w_end, next + block_bytes),
+                lines_per_step};
     const float* x = p.x + m0 * p.K;
     float* y = p.y + m0 * p.N + n;
     int64_t m = m0;
@@ -358,9 +362,18 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
   p.N = wd[0];
   p.col_items = (p.N + kColsPerItem - 1) / kColsPerItem;
   shared->num_items = p.col_items * ((p.M + kRowsPerItem - 1) / kRowsPerItem);
+  // Each thread claims its next item before it runs the current one, so that
+  // the current one's last block can prefetch the next one's first.
   auto work = [shared] {
-    for (int64_t i = shared->next.fetch_add(1); i < shared->num_items; i = shared->next.fetch_add(1))
-      RunItem(shared->p, i);
+    const Problem& p = shared->p;
+    int64_t i = shared->next.fetch_add(1);
+    while (i < shared->num_items) {
+      const int64_t next = shared->next.fetch_add(1);
+      const float* after = nullptr;
+      if (next < shared->num_items) after = p.w + next % p.col_items * kColsPerItem * p.K;
+      RunItem(p, i, after);
+      i = next;
+    }
   };
   jaxserve::RunWithHelpers(pool, std::min(jaxserve::MaxHelpers(pool), shared->num_items - 1), work);
   return ffi::Error::Success();
