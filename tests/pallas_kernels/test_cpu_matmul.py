@@ -56,9 +56,9 @@ def test_leading_axes_and_non_finite_rows():
     np.testing.assert_allclose(out[1, :2], x[1, :2] @ w.T, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("m,n,k", [(0, 5, 8), (3, 0, 8), (3, 5, 0)])
+@pytest.mark.parametrize("m,n,k", [(0, 5, 8), (3, 0, 8), (3, 5, 0), (40, 0, 8), (40, 5, 0)])
 def test_empty_operands(m, n, k):
-    """No rows, no columns, or K = 0 (every output the empty sum, 0)."""
+    """No rows, no columns, or K = 0 (every output the empty sum, 0), in both forms."""
     out = np.asarray(cpu_kernels.matmul(jnp.ones((m, k), jnp.float32), jnp.ones((n, k), jnp.float32)))
     assert out.shape == (m, n)
     np.testing.assert_array_equal(out, np.zeros((m, n), np.float32))
