@@ -49,7 +49,13 @@ def add_arguments(parser) -> None:
 
 def make_llm(model: str | None, tokenizer: str | None, options: EngineOptions, *,
              profiled: bool = False):
-    """A ``jaxserve.LLM``; ``profiled``: its worker marks each step in the trace."""
+    """A ``jaxserve.LLM``; ``profiled``: its worker marks each step in the trace.
+
+    A profiled engine schedules synchronously, so that each step's mark spans
+    that step's execution (with async scheduling the dispatch returns at once
+    and the execution runs after the mark); an unprofiled one takes the
+    default, async scheduling.
+    """
     from jaxserve import LLM
 
     worker = None
@@ -64,7 +70,7 @@ def make_llm(model: str | None, tokenizer: str | None, options: EngineOptions, *
                max_model_len=options.max_model_len,
                enable_prefix_caching=options.enable_prefix_caching, dtype=options.dtype,
                scan_layers=options.scan_layers, attention_backend=options.attention_backend,
-               worker=worker)
+               async_scheduling=not profiled, worker=worker)
 
 
 def warm_up(llm, workload: Workload, seed: int) -> float:

@@ -74,7 +74,7 @@ class LLM:
       attention_backend: None = the platform default.
       seed: the server seed for unseeded sampling.
       async_scheduling: plan each step while the previous one runs
-        (``jaxserve.engine.core``).
+        (``jaxserve.engine.core``; default on, as the server's and vLLM's).
       scan_layers: run the layers with ``jax.lax.scan`` over stacked weights
         (compiles ~4× faster; decodes ~1.3× slower on the CPU: docs/model.md).
       tensor_parallel_size: devices the model and KV cache are split over
@@ -112,7 +112,7 @@ class LLM:
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
                  token_buckets: Sequence[int] = (), request_buckets: Sequence[int] = (),
                  attention_backend: str | None = None, seed: int = 0,
-                 async_scheduling: bool = False, scan_layers: bool = False,
+                 async_scheduling: bool = True, scan_layers: bool = False,
                  tensor_parallel_size: int = 1, load_format: str = "auto",
                  compilation_cache_dir: str | None = None,
                  strict_recompile: bool = False, generation_config: str = "auto",

@@ -159,7 +159,7 @@ class EngineConfig:
       attention_backend: None = the worker's platform default.
       seed: the server seed for unseeded sampling.
       async_scheduling: plan step N + 1 while the worker runs step N
-        (``jaxserve.engine.core``).
+        (``jaxserve.engine.core``; default on, as vLLM's).
       compile: see ``CompileConfig``.
       scan_layers: the worker runs the layers with ``jax.lax.scan``
         (``WorkerInit.scan_layers``).
@@ -176,7 +176,7 @@ class EngineConfig:
     cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
     attention_backend: str | None = None
     seed: int = 0
-    async_scheduling: bool = False
+    async_scheduling: bool = True
     compile: CompileConfig = dataclasses.field(default_factory=CompileConfig)
     scan_layers: bool = False
     tensor_parallel_size: int = 1
