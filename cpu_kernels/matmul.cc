@@ -114,7 +114,7 @@ void RunItem(const Problem& p, int64_t item, const float* after) {
     const float* w = p.w + n * p.K;
     const char* next = n + 2 * kColBlock <= n1 ? reinterpret_cast<const char*>(w) + block_bytes
                                                : reinterpret_cast<const char*>(after);
-    Prefetch pf{next, next == nullptr ? nullptr : std::min(w_end, next + block_bytes),
+    Prefetch pf{next, next == nullptr ? nullptr : next + std::min(block_bytes, w_end - next),
                 lines_per_step};
     const float* x = p.x + m0 * p.K;
     float* y = p.y + m0 * p.N + n;
@@ -345,7 +345,8 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
   if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2 || xd[1] != wd[1] || yd[0] != xd[0] ||
       yd[1] != wd[0])
     return ffi::Error::InvalidArgument("matmul: x [M, K], w [N, K], y [M, N]");
-  if (xd[0] >= kOuterMinRows && xd[1] > 0)
+  // The outer form's gathers take 32-bit offsets (row · K within 16 rows).
+  if (xd[0] >= kOuterMinRows && xd[1] > 0 && wd[0] > 0 && xd[1] <= INT32_MAX / 16)
     return MatmulOuter(pool, x.typed_data(), w.typed_data(), y->typed_data(), xd[0], wd[0], xd[1]);
   struct Shared {
     Problem p;
