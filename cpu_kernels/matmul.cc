@@ -27,11 +27,11 @@
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
+#include <memory>
 
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
-#include <memory>
 
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
@@ -65,6 +65,19 @@ struct Prefetch {
   const char* end;
   int64_t lines_per_step;
 };
+
+// Runs run(item, next) for every item < num_items claimed from `counter`, where
+// `next` is the item the same thread claimed before running `item` (so that
+// `item` can prefetch its data); next >= num_items when there is none.
+template <typename Run>
+void ForEachItemClaimingAhead(std::atomic<int64_t>& counter, int64_t num_items, const Run& run) {
+  int64_t item = counter.fetch_add(1);
+  while (item < num_items) {
+    const int64_t next = counter.fetch_add(1);
+    run(item, next);
+    item = next;
+  }
+}
 
 // y[i, j] = x[i, :] · w[j, :] for i < MB rows, j < kColBlock columns.
 template <int MB>
@@ -286,7 +299,8 @@ void TransposeRows(const float* x, float* xt, int64_t M, int64_t K, int64_t bloc
                         _mm512_mask_i32gather_ps(_mm512_setzero_ps(), mask, offsets, src + k, 4));
 #else
       for (int64_t k = 0; k < K; ++k)
-        for (int64_t r = 0; r < 16; ++r) dst[k * kOuterRows + r] = r < rows ? x[(m0 + r) * K + k] : 0.0f;
+        for (int64_t r = 0; r < 16; ++r)
+          dst[k * kOuterRows + r] = r < rows ? x[(m0 + r) * K + k] : 0.0f;
 #endif
     }
   }
@@ -319,9 +333,7 @@ ffi::Error MatmulOuter(ffi::ThreadPool& pool, const float* x, const float* w, fl
   // already read them).
   auto work = [shared] {
     const OuterProblem& p = shared->p;
-    int64_t i = shared->next.fetch_add(1);
-    while (i < shared->num_items) {
-      const int64_t next = shared->next.fetch_add(1);
+    ForEachItemClaimingAhead(shared->next, shared->num_items, [&](int64_t i, int64_t next) {
       const OuterItem it = OuterItemAt(p, i);
       const char *pf_begin = nullptr, *pf_end = nullptr;
       if (next < shared->num_items) {
@@ -332,8 +344,7 @@ ffi::Error MatmulOuter(ffi::ThreadPool& pool, const float* x, const float* w, fl
         }
       }
       RunOuterItem(p, it, pf_begin, pf_end);
-      i = next;
-    }
+    });
   };
   jaxserve::RunWithHelpers(pool, std::min(jaxserve::MaxHelpers(pool), shared->num_items - 1), work);
   return ffi::Error::Success();
@@ -367,14 +378,11 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
   // the current one's last block can prefetch the next one's first.
   auto work = [shared] {
     const Problem& p = shared->p;
-    int64_t i = shared->next.fetch_add(1);
-    while (i < shared->num_items) {
-      const int64_t next = shared->next.fetch_add(1);
+    ForEachItemClaimingAhead(shared->next, shared->num_items, [&](int64_t i, int64_t next) {
       const float* after = nullptr;
       if (next < shared->num_items) after = p.w + next % p.col_items * kColsPerItem * p.K;
       RunItem(p, i, after);
-      i = next;
-    }
+    });
   };
   jaxserve::RunWithHelpers(pool, std::min(jaxserve::MaxHelpers(pool), shared->num_items - 1), work);
   return ffi::Error::Success();

@@ -68,9 +68,10 @@ def linear(x: jax.Array, kernel: jax.Array, *, tensor_parallel: bool = False) ->
     On the CPU, a float32 product of at most ``cpu_kernels.MATMUL_MAX_ROWS``
     rows runs the C++ kernel (``cpu_kernels.matmul``) where it builds: it reads
     the kernel in place, where XLA's CPU product of 2 to 32 rows runs far below
-    memory speed and repacks the kernel for every product of more. Everything else, a kernel split over a tensor-parallel
-    mesh included, is XLA's product. The platform is chosen at lowering
-    (``jax.lax.platform_dependent``), so lowering for a GPU keeps XLA's product.
+    memory speed and repacks the kernel for every product of more. Everything
+    else, a kernel split over a tensor-parallel mesh included, is XLA's product.
+    The platform is chosen at lowering (``jax.lax.platform_dependent``), so
+    lowering for a GPU keeps XLA's product.
     """
     rows = math.prod(x.shape[:-1])
     if (tensor_parallel or rows > cpu_kernels.MATMUL_MAX_ROWS or x.dtype != jnp.float32
