@@ -43,15 +43,22 @@ class _SlowWorker(FakeWorker):
 
 
 class _DyingWorker(_SlowWorker):
-    """Raises ``WorkerDiedError`` (as ``GrpcWorker`` does) from its ``die_at``-th step on."""
+    """Raises ``WorkerDiedError`` (as ``GrpcWorker`` does) from its ``die_at``-th step on.
 
-    def __init__(self, die_at: int, **kwargs):
-        super().__init__(0.0, **kwargs)
+    Only steps taken once ``armed`` is set count, so a test can queue all its
+    requests before the worker dies (steps run ahead of the test's thread).
+    """
+
+    def __init__(self, die_at: int, step_s: float = 0.0, armed: threading.Event | None = None,
+                 **kwargs):
+        super().__init__(step_s, **kwargs)
         self.die_at = die_at
+        self.armed = armed
         self.steps = 0
 
     def execute(self, plan):
-        self.steps += 1
+        if self.armed is None or self.armed.is_set():
+            self.steps += 1
         if self.steps >= self.die_at:
             raise WorkerDiedError("the worker at 127.0.0.1:1 died: Execute failed: UNAVAILABLE")
         return super().execute(plan)
@@ -131,13 +138,16 @@ def test_a_failed_step_fails_its_requests_then_a_new_core_serves():
         old_cores.append(old)
         return EngineCore(CONFIG, FakeWorker(max_model_len=256))
 
-    loop = EngineLoop(EngineCore(CONFIG, _DyingWorker(3, max_model_len=256)), restart=restart,
-                      max_restarts=3, **events.kwargs())
+    armed = threading.Event()
+    worker = _DyingWorker(1, step_s=0.01, armed=armed, max_model_len=256)
+    loop = EngineLoop(EngineCore(CONFIG, worker), restart=restart, max_restarts=3,
+                      **events.kwargs())
     outputs = loop.subscribe()
     loop.start()
     try:
-        for i in range(3):
+        for i in range(3):  # 200 tokens each: still running when the worker dies
             loop.add_request(EngineCoreRequest(f"q{i}", [i + 1] * 5, LONG))
+        armed.set()
         assert set(_wait_error(outputs)) == {"q0", "q1", "q2"}
         assert events.recovered.wait(30) and loop.serving and not loop.error
         assert len(events.failures) == 1 and "WorkerDiedError" in events.failures[0]
