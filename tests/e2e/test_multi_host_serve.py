@@ -18,7 +18,6 @@ import os
 import shutil
 import signal
 import threading
-import time
 
 import grpc
 import pytest
@@ -80,17 +79,19 @@ def test_greedy_tokens_match_one_device_then_a_dead_rank_stops_the_server(server
         assert [list(t) for t in got] == _one_device(tiny_dir)
 
         errors: list[JaxServeError] = []
+        streaming = threading.Event()
 
         def stream():
             try:
-                for _ in client.stream([1, 2, 3], max_tokens=100, ignore_eos=True):
-                    pass
+                for _ in client.stream([1, 2, 3], max_tokens=120, ignore_eos=True):
+                    streaming.set()
             except JaxServeError as err:
                 errors.append(err)
 
         thread = threading.Thread(target=stream, daemon=True)
         thread.start()
-        time.sleep(0.5)
+        # killed once the stream has begun, with ~119 of its 120 tokens still to come
+        assert streaming.wait(60)
         os.kill(server.processes["worker-h1"].pid, signal.SIGKILL)
         thread.join(10.0)
         assert not thread.is_alive() and errors

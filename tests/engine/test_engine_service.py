@@ -185,8 +185,8 @@ class _DyingWorker(_SlowWorker):
 
 
 def _long_requests(count: int) -> list[EngineCoreRequest]:
-    """Requests of 30 tokens each, long enough to be in flight when the worker dies."""
-    return [EngineCoreRequest(f"d{i}", [i + 1, 2, 3], SamplingParams(max_tokens=30,
+    """Requests of 60 tokens each (max_model_len 64), in flight when the worker dies."""
+    return [EngineCoreRequest(f"d{i}", [i + 1, 2, 3], SamplingParams(max_tokens=60,
                                                                       ignore_eos=True))
             for i in range(count)]
 
