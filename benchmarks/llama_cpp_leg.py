@@ -5,7 +5,10 @@ on disk (nothing is downloaded): ``--gguf PATH``, else a ``*.gguf`` whose
 name says F32 under ``$JAXSERVE_CACHE/gguf`` (the demo model's cache). The
 demo model's own GGUF there is the Q4_1 source its float32 weights were
 dequantized from: a quantized run would not compare like with like, so it
-is not used. Otherwise the leg returns ``{"error": why}``.
+is not run as such. When it is the only GGUF there, ``available`` writes its
+F32 twin beside it (``write_f32_gguf``: the same metadata, every tensor
+dequantized to float32, the very weights the other legs run). Otherwise the
+leg returns ``{"error": why}``.
 
 One request: the prompt evaluated, then greedy tokens (``temp=0``) until
 the output length, end-of-sequence ignored; all cores (``n_threads``).
@@ -43,11 +46,74 @@ def find_gguf(gguf: str | None) -> tuple[pathlib.Path | None, str]:
                   "is not comparable with the float32 legs) and no --gguf given")
 
 
+def write_f32_gguf(source: pathlib.Path, dest: pathlib.Path) -> pathlib.Path:
+    """Writes ``source`` again as ``dest`` with every tensor dequantized to float32.
+
+    The metadata is copied as it is, except ``general.file_type``, which says
+    all-F32 (``gguf.LlamaFileType.ALL_F32``). Dequantization is the ``gguf``
+    package's (``gguf.quants.dequantize``), as for the demo model's
+    safetensors, so both hold the same float32 weights. Written to a temporary
+    name and renamed, so a reader never sees half a file. Returns ``dest``.
+
+    Raises:
+      OSError: ``source`` unreadable or ``dest`` unwritable.
+      ValueError / NotImplementedError: not a GGUF, or a tensor type the
+        ``gguf`` package cannot dequantize.
+    """
+    import gguf
+    import numpy as np
+    from gguf.quants import dequantize
+
+    reader = gguf.GGUFReader(str(source))
+    arch = reader.get_field(gguf.Keys.General.ARCHITECTURE).contents()
+    tmp = dest.with_name(dest.name + ".tmp")
+    writer = gguf.GGUFWriter(str(tmp), arch)
+    for field in reader.fields.values():
+        if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
+            continue  # written by GGUFWriter itself
+        vtype = field.types[0]
+        value = field.contents()
+        if field.name == gguf.Keys.General.FILE_TYPE:
+            value = int(gguf.LlamaFileType.ALL_F32)
+        writer.add_key_value(field.name, value, vtype,
+                             sub_type=field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
+    for tensor in reader.tensors:
+        weights = dequantize(tensor.data, tensor.tensor_type)
+        writer.add_tensor(tensor.name, np.ascontiguousarray(weights, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    os.replace(tmp, dest)
+    return dest
+
+
+def _f32_twin(folder: pathlib.Path) -> pathlib.Path | None:
+    """The F32 GGUF written from the only (quantized) GGUF in ``folder``, or None."""
+    found = sorted(folder.glob("*.gguf")) if folder.is_dir() else []
+    if len(found) != 1:
+        return None
+    source = found[0]
+    stem = source.name[:-len(".gguf")]
+    dest = source.with_name(f"{stem.rsplit('.', 1)[0] if '.' in stem else stem}.F32.gguf")
+    logger.info("writing %s from %s (every tensor dequantized to float32)", dest.name, source.name)
+    return write_f32_gguf(source, dest)
+
+
 def available(gguf: str | None) -> tuple[pathlib.Path | None, str]:
-    """(GGUF path, "") when the leg can run, else (None, why not)."""
+    """(GGUF path, "") when the leg can run, else (None, why not).
+
+    With no ``gguf`` given and no F32 GGUF in the demo model's cache, writes
+    the F32 twin of the quantized GGUF there (``write_f32_gguf``).
+    """
     if importlib.util.find_spec("llama_cpp") is None:
         return None, "llama_cpp (llama-cpp-python) is not importable here"
-    return find_gguf(gguf)
+    path, why = find_gguf(gguf)
+    if path is None and not gguf:
+        from jaxserve.demo_model import cache_root
+
+        path = _f32_twin(cache_root() / "gguf")
+    return (path, "") if path is not None else (None, why)
 
 
 def run(workload: Workload, *, gguf: pathlib.Path) -> dict[str, Any]:
