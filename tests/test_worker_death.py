@@ -29,7 +29,8 @@ from jaxserve.step_plan import WorkerDiedError
 from tests.model.hf_tiny import make_tiny_model
 
 DEADLINE_S = 5.0
-LONG = SamplingParams(max_tokens=100, ignore_eos=True)
+# 400 tokens (~1 s and more): still running when the poll sees the 5th step and kills
+LONG = SamplingParams(max_tokens=400, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -41,10 +42,10 @@ def tiny_dir(tmp_path_factory):
 
 def _config(model):
     return EngineConfig(
-        model=model, max_model_len=128, async_scheduling=True,
+        model=model, max_model_len=512, async_scheduling=True,
         scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32,
                                   token_buckets=(1, 4, 8, 16, 32), request_buckets=(1, 2, 4, 8)),
-        cache=CacheConfig(block_size=4, num_kv_blocks=300))
+        cache=CacheConfig(block_size=4, num_kv_blocks=700))
 
 
 def _kill_when(worker, min_steps: int) -> float:
@@ -111,8 +112,8 @@ def test_engine_loop_fails_every_unfinished_request(tiny_dir):
 
 def test_llm_generate_raises_instead_of_hanging(tiny_dir, demo_model_dir):
     llm = LLM(tiny_dir, tokenizer=str(demo_model_dir), worker="grpc", async_scheduling=True,
-              max_model_len=128, max_num_seqs=8, max_num_batched_tokens=32, block_size=4,
-              num_kv_blocks=300, token_buckets=(1, 4, 8, 16, 32), request_buckets=(1, 2, 4, 8))
+              max_model_len=512, max_num_seqs=8, max_num_batched_tokens=32, block_size=4,
+              num_kv_blocks=700, token_buckets=(1, 4, 8, 16, 32), request_buckets=(1, 2, 4, 8))
     outcome: dict = {}
 
     def run():
