@@ -66,38 +66,44 @@ def write_f32_gguf(source: pathlib.Path, dest: pathlib.Path) -> pathlib.Path:
 
     reader = gguf.GGUFReader(str(source))
     arch = reader.get_field(gguf.Keys.General.ARCHITECTURE).contents()
-    tmp = dest.with_name(dest.name + ".tmp")
-    writer = gguf.GGUFWriter(str(tmp), arch)
-    for field in reader.fields.values():
-        if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
-            continue  # written by GGUFWriter itself
-        vtype = field.types[0]
-        value = field.contents()
-        if field.name == gguf.Keys.General.FILE_TYPE:
-            value = int(gguf.LlamaFileType.ALL_F32)
-        writer.add_key_value(field.name, value, vtype,
-                             sub_type=field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
-    for tensor in reader.tensors:
-        weights = dequantize(tensor.data, tensor.tensor_type)
-        writer.add_tensor(tensor.name, np.ascontiguousarray(weights, dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    os.replace(tmp, dest)
+    tmp = dest.with_name(f"{dest.name}.{os.getpid()}.tmp")  # one per writer process
+    try:
+        writer = gguf.GGUFWriter(str(tmp), arch)
+        for field in reader.fields.values():
+            if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
+                continue  # written by GGUFWriter itself
+            vtype = field.types[0]
+            value = field.contents()
+            if field.name == gguf.Keys.General.FILE_TYPE:
+                value = int(gguf.LlamaFileType.ALL_F32)
+            sub_type = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+            writer.add_key_value(field.name, value, vtype, sub_type=sub_type)
+        for tensor in reader.tensors:
+            weights = dequantize(tensor.data, tensor.tensor_type)
+            writer.add_tensor(tensor.name, np.ascontiguousarray(weights, dtype=np.float32))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        os.replace(tmp, dest)
+    finally:
+        tmp.unlink(missing_ok=True)
     return dest
 
 
-def _f32_twin(folder: pathlib.Path) -> pathlib.Path | None:
-    """The F32 GGUF written from the only (quantized) GGUF in ``folder``, or None."""
+def _f32_twin(folder: pathlib.Path) -> tuple[pathlib.Path | None, str]:
+    """(the F32 GGUF written from the only GGUF in ``folder``, "") or (None, why not)."""
     found = sorted(folder.glob("*.gguf")) if folder.is_dir() else []
     if len(found) != 1:
-        return None
+        return None, f"{len(found)} GGUF files under {folder}, not one to write an F32 twin of"
     source = found[0]
     stem = source.name[:-len(".gguf")]
     dest = source.with_name(f"{stem.rsplit('.', 1)[0] if '.' in stem else stem}.F32.gguf")
     logger.info("writing %s from %s (every tensor dequantized to float32)", dest.name, source.name)
-    return write_f32_gguf(source, dest)
+    try:
+        return write_f32_gguf(source, dest), ""
+    except (OSError, ValueError, NotImplementedError) as err:
+        return None, f"could not write an F32 twin of {source}: {type(err).__name__}: {err}"
 
 
 def available(gguf: str | None) -> tuple[pathlib.Path | None, str]:
@@ -112,8 +118,9 @@ def available(gguf: str | None) -> tuple[pathlib.Path | None, str]:
     if path is None and not gguf:
         from jaxserve.demo_model import cache_root
 
-        path = _f32_twin(cache_root() / "gguf")
-    return (path, "") if path is not None else (None, why)
+        path, why_not = _f32_twin(cache_root() / "gguf")
+        why = f"{why}; {why_not}" if path is None else ""
+    return path, why
 
 
 def run(workload: Workload, *, gguf: pathlib.Path) -> dict[str, Any]:

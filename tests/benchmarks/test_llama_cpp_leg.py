@@ -21,9 +21,12 @@ def test_the_f32_twin_holds_the_demo_models_float32_weights(demo_model_dir, demo
     from safetensors.numpy import load_file
 
     (tmp_path / demo_gguf_path.name).symlink_to(demo_gguf_path)
-    written = llama_cpp_leg._f32_twin(tmp_path)
-    assert written == tmp_path / "SmolLM2-135M-Instruct.F32.gguf" and written.is_file()
-    assert llama_cpp_leg._f32_twin(tmp_path) is None  # two GGUFs now: which to convert is unclear
+    written, why = llama_cpp_leg._f32_twin(tmp_path)
+    assert written == tmp_path / "SmolLM2-135M-Instruct.F32.gguf" and written.is_file() and not why
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([demo_gguf_path.name,
+                                                                 written.name])  # no temporary left
+    again, why = llama_cpp_leg._f32_twin(tmp_path)  # two GGUFs now: which one is unclear
+    assert again is None and "2 GGUF files" in why
 
     source, twin = gguf.GGUFReader(str(demo_gguf_path)), gguf.GGUFReader(str(written))
     assert {t.tensor_type for t in twin.tensors} == {gguf.GGMLQuantizationType.F32}
@@ -42,3 +45,10 @@ def test_the_f32_twin_holds_the_demo_models_float32_weights(demo_model_dir, demo
     assert set(ours) == set(theirs) - {"lm_head.weight"}
     for name, want in ours.items():
         np.testing.assert_array_equal(theirs[name], want, err_msg=name)
+
+
+def test_a_gguf_that_cannot_be_read_gives_a_reason_and_no_file(tmp_path):
+    (tmp_path / "broken.Q4_1.gguf").write_bytes(b"GGUF but not really")
+    written, why = llama_cpp_leg._f32_twin(tmp_path)
+    assert written is None and "broken.Q4_1.gguf" in why
+    assert [p.name for p in tmp_path.iterdir()] == ["broken.Q4_1.gguf"]
