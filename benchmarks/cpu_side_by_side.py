@@ -204,11 +204,14 @@ def run_legs(args: argparse.Namespace, cases: list[Case], model_dir: str
             memory_fraction=args.vllm_memory_fraction)
 
     batch1 = next((c for c in cases if c.name == "batch1"), None)
-    gguf, why = llama_cpp_leg.available(args.gguf)
-    if gguf is not None and args.gguf is None and args.model is not None:
+    if batch1 is None:
+        gguf, why = None, "no batch1 workload (it runs batch 1 only)"
+    elif args.gguf is None and args.model is not None:
         gguf, why = None, "--model is not the demo model: give its F32 GGUF with --gguf"
-    if gguf is None or batch1 is None:
-        legs["llama_cpp"] = {"error": why or "no batch1 workload (it runs batch 1 only)"}
+    else:
+        gguf, why = llama_cpp_leg.available(args.gguf)
+    if gguf is None:
+        legs["llama_cpp"] = {"error": why}
     else:
         try:
             result = llama_cpp_leg.run(batch1.workload, gguf=gguf)

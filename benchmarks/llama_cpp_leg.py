@@ -21,6 +21,7 @@ import importlib.util
 import logging
 import os
 import pathlib
+import re
 import time
 from typing import Any
 
@@ -53,22 +54,27 @@ def write_f32_gguf(source: pathlib.Path, dest: pathlib.Path) -> pathlib.Path:
     all-F32 (``gguf.LlamaFileType.ALL_F32``). Dequantization is the ``gguf``
     package's (``gguf.quants.dequantize``), as for the demo model's
     safetensors, so both hold the same float32 weights. Written to a temporary
-    name and renamed, so a reader never sees half a file. Returns ``dest``.
+    name (one per process) and renamed, so a reader never sees half a file and
+    a failure leaves none behind. Returns ``dest``.
 
     Raises:
       OSError: ``source`` unreadable or ``dest`` unwritable.
-      ValueError / NotImplementedError: not a GGUF, or a tensor type the
-        ``gguf`` package cannot dequantize.
+      ValueError: ``source`` is not a GGUF, or names no architecture.
+      NotImplementedError: a tensor type ``gguf`` cannot dequantize.
+      Whatever else the ``gguf`` package raises on a malformed file (it
+      raises, e.g., IndexError on a truncated one).
     """
     import gguf
     import numpy as np
     from gguf.quants import dequantize
 
     reader = gguf.GGUFReader(str(source))
-    arch = reader.get_field(gguf.Keys.General.ARCHITECTURE).contents()
-    tmp = dest.with_name(f"{dest.name}.{os.getpid()}.tmp")  # one per writer process
+    arch_field = reader.get_field(gguf.Keys.General.ARCHITECTURE)
+    if arch_field is None:
+        raise ValueError(f"{source} has no {gguf.Keys.General.ARCHITECTURE}")
+    tmp = dest.with_name(f"{dest.name}.{os.getpid()}.tmp")
+    writer = gguf.GGUFWriter(str(tmp), arch_field.contents())
     try:
-        writer = gguf.GGUFWriter(str(tmp), arch)
         for field in reader.fields.values():
             if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
                 continue  # written by GGUFWriter itself
@@ -87,8 +93,25 @@ def write_f32_gguf(source: pathlib.Path, dest: pathlib.Path) -> pathlib.Path:
         writer.close()
         os.replace(tmp, dest)
     finally:
+        writer.close()
         tmp.unlink(missing_ok=True)
     return dest
+
+
+# The quantization suffix of a GGUF's file name, as llama.cpp's tools write it
+# ("SmolLM2-135M-Instruct.Q4_1.gguf", "Llama-3-8B-Q4_K_M.gguf", "x.IQ2_XS.gguf").
+_QUANT_SUFFIX = re.compile(r"[.-](?:I?Q\d\w*|BF16|F16|F32)$", re.IGNORECASE)
+
+
+def f32_twin_name(source: pathlib.Path) -> str:
+    """The F32 twin's file name: ``source``'s, its quantization suffix replaced by ``.F32``.
+
+    ``SmolLM2-135M-Instruct.Q4_1.gguf`` -> ``SmolLM2-135M-Instruct.F32.gguf``;
+    a name with no known suffix keeps its whole stem (``SmolLM2-1.7B.gguf`` ->
+    ``SmolLM2-1.7B.F32.gguf``).
+    """
+    stem = source.name[:-len(".gguf")] if source.name.endswith(".gguf") else source.stem
+    return f"{_QUANT_SUFFIX.sub('', stem)}.F32.gguf"
 
 
 def _f32_twin(folder: pathlib.Path) -> tuple[pathlib.Path | None, str]:
@@ -97,12 +120,12 @@ def _f32_twin(folder: pathlib.Path) -> tuple[pathlib.Path | None, str]:
     if len(found) != 1:
         return None, f"{len(found)} GGUF files under {folder}, not one to write an F32 twin of"
     source = found[0]
-    stem = source.name[:-len(".gguf")]
-    dest = source.with_name(f"{stem.rsplit('.', 1)[0] if '.' in stem else stem}.F32.gguf")
+    dest = source.with_name(f32_twin_name(source))
     logger.info("writing %s from %s (every tensor dequantized to float32)", dest.name, source.name)
     try:
         return write_f32_gguf(source, dest), ""
-    except (OSError, ValueError, NotImplementedError) as err:
+    except Exception as err:  # noqa: BLE001 - a malformed GGUF raises many kinds; the leg reports it
+        logger.warning("could not write an F32 twin of %s", source, exc_info=True)
         return None, f"could not write an F32 twin of {source}: {type(err).__name__}: {err}"
 
 
