@@ -3,7 +3,7 @@
 A thin transport over ``RequestRunner`` (``jaxserve.api.runner``), which the
 HTTP API shares: ``Generate`` prepares the request, starts it and streams its
 ``GenerateResponse``s; an ``ApiError`` becomes the call's status (its gRPC
-code and message). Whatever ends the call early — the client cancels, the
+code and message, bounded by ``jaxserve.status_details``). Whatever ends the call early — the client cancels, the
 deadline passes, the engine fails — closes the request, which aborts it in the
 engine and frees its KV blocks.
 """
@@ -22,6 +22,7 @@ from jaxserve.api.runner import ApiError, RequestRunner
 from jaxserve.api.validation import validate_text
 from jaxserve.proto import generate_pb2 as pb
 from jaxserve.proto import generate_pb2_grpc as pb_grpc
+from jaxserve.status_details import status_details
 from jaxserve.validation import InvalidArgument
 
 logger = logging.getLogger(__name__)
@@ -49,12 +50,12 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
                                          stream=request.stream, cache_salt=request.cache_salt,
                                          timeout=context.time_remaining())
         except ApiError as err:
-            await context.abort(err.code, err.message)
+            await context.abort(err.code, status_details(err.message))
         try:
             async for response in running.responses():
                 yield response
         except ApiError as err:
-            await context.abort(err.code, err.message)
+            await context.abort(err.code, status_details(err.message))
         finally:
             running.close()
 
@@ -65,7 +66,8 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
         try:
             stats, _, _ = await engine.stats()
         except EngineError as err:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the engine did not answer: {err}")
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                status_details(f"the engine did not answer: {err}"))
         return pb.GetModelInfoResponse(
             model=self.runner.model_name, max_model_len=info.max_model_len,
             vocab_size=info.vocab_size, block_size=info.block_size,
@@ -86,7 +88,7 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
                 return pb.TokenizeResponse(token_ids=ids, text=text)
             raise InvalidArgument("input", "set one of text or chat")
         except InvalidArgument as err:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, status_details(str(err)))
 
 
 def stats_refresher(engine: EngineClient, period_s: float = 1.0

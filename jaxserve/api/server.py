@@ -69,6 +69,7 @@ from jaxserve.metrics import ServerMetrics
 from jaxserve.procutil import setup_logging
 from jaxserve.proto import generate_pb2 as pb
 from jaxserve.proto import generate_pb2_grpc as pb_grpc
+from jaxserve.status_details import status_details
 
 logger = logging.getLogger(__name__)
 
@@ -341,9 +342,8 @@ class _Deferred(pb_grpc.GenerateServiceServicer):
 
     async def _target(self, request: Any, context: grpc.aio.ServicerContext) -> GenerateServicer:
         if isinstance(request, _Undecodable):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"request: not a valid {request.message} message: "
-                                f"{request.error}")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, status_details(
+                f"request: not a valid {request.message} message: {request.error}"))
         if not self._servicer.done():
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 "the server is starting: the engine is not ready yet")

@@ -62,6 +62,7 @@ from jaxserve.procutil import StopSignal, setup_logging, shutdown_grace
 from jaxserve.proto import engine_pb2 as epb
 from jaxserve.proto import engine_pb2_grpc as epb_grpc
 from jaxserve.proto.engine_convert import output_to_proto, request_from_proto, stats_to_proto
+from jaxserve.status_details import status_details
 
 logger = logging.getLogger(__name__)
 
@@ -86,11 +87,12 @@ class EngineServicer(epb_grpc.EngineServiceServicer):
         try:
             self.loop.add_request(request_from_proto(request))
         except NotImplementedError as err:
-            context.abort(grpc.StatusCode.UNIMPLEMENTED, str(err))
+            context.abort(grpc.StatusCode.UNIMPLEMENTED, status_details(str(err)))
         except EngineDeadError as err:
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"the engine is not serving: {err}")
+            context.abort(grpc.StatusCode.UNAVAILABLE,
+                          status_details(f"the engine is not serving: {err}"))
         except ValueError as err:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, status_details(str(err)))
         return epb.AddRequestResponse()
 
     def AbortRequests(self, request: epb.AbortRequestsRequest,
@@ -108,7 +110,8 @@ class EngineServicer(epb_grpc.EngineServiceServicer):
         try:
             q = self.loop.subscribe()
         except EngineDeadError as err:
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"the engine is not serving: {err}")
+            context.abort(grpc.StatusCode.UNAVAILABLE,
+                          status_details(f"the engine is not serving: {err}"))
         context.add_callback(lambda: q.put(None))  # wakes the get below when the call ends
         logger.info("api process subscribed to outputs")
         try:
@@ -445,6 +448,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         core = EngineCore(engine_config(args), _make_worker(args))
     except (ValueError, FileNotFoundError, NotImplementedError) as err:  # bad configuration
         logger.error("engine failed to start: %s", err)
+        return 1
+    except RuntimeError as err:  # the worker failed to initialize (its log has the traceback)
+        logger.error("engine failed to start: %s: %s", type(err).__name__, err)
         return 1
     stop = StopSignal()
     group = not args.in_process_worker and len(args.worker_address) > 1

@@ -57,6 +57,7 @@ from jaxserve import plan_codec
 from jaxserve.procutil import StopSignal, setup_logging, shutdown_grace
 from jaxserve.proto import worker_pb2 as wpb
 from jaxserve.proto import worker_pb2_grpc as wpb_grpc
+from jaxserve.status_details import error_details, status_details
 from jaxserve.step_plan import WorkerStatus
 
 logger = logging.getLogger(__name__)
@@ -75,25 +76,54 @@ SERVER_OPTIONS = [
 ]
 STEP_ORDER_TIMEOUT_S = 120.0  # how long a plan waits for its predecessor to arrive and run
 T = TypeVar("T")
-# Test-only hook, never set in production: with JAXSERVE_TEST_HANG_ONCE=STEP:PATH
-# in its environment, the first worker process that creates PATH (exclusively)
-# hangs forever in the Execute of step id STEP, so tests can check the engine's
-# step timeout. Later processes find PATH and run normally.
+# Test-only hooks, never set in production. Each fires in the first worker
+# process that creates PATH (exclusively); later processes find PATH and run
+# normally (a restarted worker serves).
+# - JAXSERVE_TEST_HANG_ONCE=STEP:PATH: hangs forever in the Execute of step
+#   id STEP, so tests can check the engine's step timeout;
+# - JAXSERVE_TEST_FAIL_ONCE=WHAT:PATH: raises a RuntimeError of ~TEST_FAIL_BYTES
+#   (first line "test failure in WHAT (JAXSERVE_TEST_FAIL_ONCE)") where WHAT is
+#   "initialize" or "step N", so tests can check that a long error keeps its
+#   cause across the process hops (``jaxserve.status_details``).
 TEST_HANG_ENV = "JAXSERVE_TEST_HANG_ONCE"
+TEST_FAIL_ENV = "JAXSERVE_TEST_FAIL_ONCE"
+TEST_FAIL_BYTES = 50_000  # about; the text's last line is TEST_FAIL_LAST_LINE
+TEST_FAIL_LAST_LINE = "the end of the test failure"
 _TEST_HANG = os.environ.get(TEST_HANG_ENV, "").partition(":")
+_TEST_FAIL = os.environ.get(TEST_FAIL_ENV, "").partition(":")
+
+
+def _first_to_create(path: str) -> bool:
+    """Whether this process created ``path`` (exclusively): a test hook fires once."""
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
 
 
 def _test_hang(step_id: int) -> None:
     """The test-only hang (see ``TEST_HANG_ENV``); returns at once when it is not set."""
     step, _, path = _TEST_HANG
-    if not path or step_id != int(step):
-        return
-    try:
-        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-    except FileExistsError:
+    if not path or step_id != int(step) or not _first_to_create(path):
         return
     logger.warning("%s is set: step %d hangs forever (test hook)", TEST_HANG_ENV, step_id)
     threading.Event().wait()
+
+
+def _test_fail(what: str) -> None:
+    """The test-only failure (see ``TEST_FAIL_ENV``); returns at once when it is not set.
+
+    Raises:
+      RuntimeError: of about ``TEST_FAIL_BYTES`` characters, once, in ``what``.
+    """
+    where, _, path = _TEST_FAIL
+    if not path or what != where or not _first_to_create(path):
+        return
+    first = f"test failure in {what} ({TEST_FAIL_ENV})"
+    lines = [first, *(f"line {i}: " + "x" * 70 for i in range(TEST_FAIL_BYTES // 80 - 1)),
+             TEST_FAIL_LAST_LINE]
+    raise RuntimeError("\n".join(lines))
 
 
 class WorkerServicer(wpb_grpc.WorkerServiceServicer):
@@ -124,15 +154,21 @@ class WorkerServicer(wpb_grpc.WorkerServiceServicer):
     def _call(self, context: grpc.ServicerContext, what: str, fn: Callable[[], T]) -> T:
         """Runs ``fn``, turning its errors into gRPC statuses (see the .proto).
 
+        The status names the error's type and first lines, at most
+        ``MAX_DETAILS_BYTES`` (``jaxserve.status_details``); the log keeps
+        the full traceback.
+
         ``fn`` must not call ``context.abort`` (it raises a plain Exception).
         """
         try:
+            _test_fail(what)
             return fn()
         except ValueError as err:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: {err}")
+            logger.warning("%s refused: %s", what, err)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, status_details(f"{what}: {err}"))
         except Exception as err:  # noqa: BLE001 - reported to the engine, which stops
-            logger.exception("%s failed", what)
-            context.abort(grpc.StatusCode.INTERNAL, f"{what}: {type(err).__name__}: {err}")
+            logger.exception("%s failed", what)  # the full text and traceback stay here
+            context.abort(grpc.StatusCode.INTERNAL, error_details(what, err))
 
     def Initialize(self, request: wpb.InitializeRequest,
                    context: grpc.ServicerContext) -> wpb.Geometry:
