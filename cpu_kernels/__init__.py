@@ -11,7 +11,7 @@ float32 products of at most ``MATMUL_MAX_ROWS`` rows on the CPU.
 Both are compiled into one library once per machine with the system C++ compiler (``$CXX``,
 else ``g++``), ``-O3 -march=native``, against the XLA FFI headers that ship with
 jaxlib (``jax.ffi.include_dir()``), into ``$JAXSERVE_KERNEL_CACHE`` (default
-``~/.cache/jaxserve/kernels``), keyed by a hash of the source, the compiler
+``$JAXSERVE_CACHE/kernels``, itself by default ``~/.cache/jaxserve/kernels``), keyed by a hash of the source, the compiler
 command, the jax and jaxlib versions and the CPU's feature flags. With no compiler, or a failed build,
 ``available()`` is False (the reason is logged once) and the model uses the
 pure-jnp reference instead.
@@ -61,9 +61,13 @@ _CXXFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-
 
 
 def cache_dir() -> pathlib.Path:
-    """Where built libraries live: ``$JAXSERVE_KERNEL_CACHE`` or ``~/.cache/jaxserve/kernels``."""
+    """Where built libraries live: ``$JAXSERVE_KERNEL_CACHE``, else ``kernels`` under the
+    jaxserve cache root (``$JAXSERVE_CACHE``, default ``~/.cache/jaxserve``; see
+    ``jaxserve.demo_model.cache_root``)."""
+    from jaxserve.demo_model import cache_root
+
     env = os.environ.get("JAXSERVE_KERNEL_CACHE")
-    return pathlib.Path(env) if env else pathlib.Path.home() / ".cache" / "jaxserve" / "kernels"
+    return pathlib.Path(env) if env else cache_root() / "kernels"
 
 
 def _cpu_flags() -> str:

@@ -6,6 +6,7 @@ dequantizes it to float32 and writes a standard HF directory::
 
     $JAXSERVE_CACHE/                      (default ~/.cache/jaxserve)
       gguf/SmolLM2-135M-Instruct.Q4_1.gguf    the source, sha256-pinned, kept
+      (also jax_cache/ and kernels/: JAX's compilation cache, cpu_kernels' library)
       models/SmolLM2-135M-Instruct/           the model directory
         config.json  generation_config.json  model.safetensors
         tokenizer.json  tokenizer_config.json  special_tokens_map.json

@@ -192,3 +192,16 @@ def test_malformed_query_start_loc_stays_inside_the_buffers():
         q, cache, cache, jnp.ones((2, 1), jnp.int32), jnp.array([4, 4], jnp.int32),
         jnp.array([-2, 2, 1], jnp.int32), sm_scale=1.0)
     assert out.shape == (4, 2, 32) and np.isfinite(np.asarray(out)).all()
+
+
+def test_the_library_cache_follows_jaxserve_cache(tmp_path, monkeypatch):
+    import cpu_kernels
+
+    monkeypatch.delenv("JAXSERVE_KERNEL_CACHE", raising=False)
+    monkeypatch.delenv("JAXSERVE_CACHE", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cpu_kernels.cache_dir() == tmp_path / "home" / ".cache" / "jaxserve" / "kernels"
+    monkeypatch.setenv("JAXSERVE_CACHE", str(tmp_path / "cache"))
+    assert cpu_kernels.cache_dir() == tmp_path / "cache" / "kernels"
+    monkeypatch.setenv("JAXSERVE_KERNEL_CACHE", str(tmp_path / "own"))  # the specific one wins
+    assert cpu_kernels.cache_dir() == tmp_path / "own"
