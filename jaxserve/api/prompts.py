@@ -84,7 +84,10 @@ class RequestPreparer:
     # -------------------------------------------------------------- prompts
     def encode_text(self, text: str) -> list[int]:
         """The ids of a text prompt (as ``jaxserve.LLM``)."""
-        return list(self.tokenizer.encode(text))
+        # verbose=False: transformers' warning for ids longer than the tokenizer's
+        # model_max_length ("... will result in indexing errors") is not ours to
+        # give: ``validate`` refuses a prompt the engine cannot hold, with its field.
+        return list(self.tokenizer.encode(text, verbose=False))
 
     def render_chat(self, chat: pb.Chat, *, field: str = "chat.messages") -> str:
         """The chat rendered by the tokenizer's chat template.
@@ -111,7 +114,8 @@ class RequestPreparer:
     def encode_chat(self, chat: pb.Chat, *, field: str = "chat.messages") -> tuple[str, list[int]]:
         """(rendered text, ids) of a chat; ids encoded without adding special tokens again."""
         text = self.render_chat(chat, field=field)
-        return text, list(self.tokenizer.encode(text, add_special_tokens=False))
+        return text, list(self.tokenizer.encode(text, add_special_tokens=False,
+                                                verbose=False))  # as in encode_text
 
     # -------------------------------------------------------------- requests
     def sampling_params(self, kwargs: Mapping[str, Any]) -> SamplingParams:

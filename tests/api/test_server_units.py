@@ -209,3 +209,27 @@ def test_undecodable_request_bytes_reach_the_handler_as_a_value():
         bad = decode(wire)
         assert isinstance(bad, _Undecodable) and bad.message == "jaxserve.GenerateRequest"
         assert why in bad.error
+
+
+@pytest.mark.parametrize("kind", ["text", "chat"])
+def test_an_over_long_prompt_is_refused_without_the_tokenizers_indexing_warning(
+        demo_model_dir, capfd, caplog, kind):
+    from jaxserve.api.server import load_tokenizer
+
+    def logged() -> str:  # transformers' logger propagates, or writes to stderr itself
+        text = caplog.text + capfd.readouterr().err
+        caplog.clear()
+        return text
+
+    tokenizer = load_tokenizer(str(demo_model_dir))  # fresh: transformers warns once per instance
+    long_text = "hello " * (tokenizer.model_max_length + 100)
+    prep = RequestPreparer(tokenizer, vocab_size=49152, max_model_len=64, eos_token_ids=[2],
+                           max_num_seqs=4)
+    request = (pb.GenerateRequest(text=long_text) if kind == "text" else pb.GenerateRequest(
+        chat=pb.Chat(messages=[pb.ChatMessage(role="user", content=long_text)])))
+    with pytest.raises(InvalidArgument) as err:
+        prep.prepare(request)
+    assert "64" in str(err.value)
+    assert "indexing errors" not in logged()
+    tokenizer.encode(long_text)  # the warning this test looks for is seen when given
+    assert "indexing errors" in logged()
