@@ -15,7 +15,10 @@ import sys
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "download-demo": ("jaxserve.demo_model", "build the SmolLM2-135M-Instruct demo model directory"),
-    "serve": ("jaxserve.commands.serve", "run the gRPC server (worker, engine and api processes)"),
+    "serve": ("jaxserve.commands.serve",
+              "serve a model over gRPC (the jaxserve.GenerateService, --port) and the "
+              "OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions; --http-port, "
+              "--no-http) from worker, engine and api processes"),
     "demo": ("jaxserve.commands.demo",
              "serve the demo model, stream one chat answer through the client, shut down"),
     "generate": ("jaxserve.commands.generate", "stream a completion from a running server"),

@@ -4,7 +4,7 @@ No server runs here: the errors are caught before any is needed (``chat``
 validates its sampling flags up front; ``serve`` checks the model path, its
 files and ``--dtype`` before it starts a process), or no server answers (the
 client commands then say how to start one). Also: a misspelt flag prints the
-subcommand's usage, and the start-up notices of transformers and JAX that are
+subcommand's usage, ``serve --help`` names both APIs and their ports, and the start-up notices of transformers and JAX that are
 not problems stay quiet.
 """
 
@@ -151,3 +151,14 @@ def test_start_up_notices_are_quiet(notice, code):
     if notice not in run(quiet=False):
         pytest.skip(f"this installation does not print {notice!r}")
     assert notice not in run(quiet=True)
+
+
+def test_serve_help_names_both_apis_and_their_ports():
+    proc = _cli("serve", "--help")
+    assert proc.returncode == 0, proc.stderr
+    text = " ".join(proc.stdout.split())  # argparse wraps lines
+    assert "gRPC" in text and "OpenAI-compatible HTTP API" in text
+    for flag in ("--port", "--http-port", "--no-http"):
+        assert flag in text
+    top = " ".join(_cli("--help").stdout.split())
+    assert "serve a model over gRPC" in top and "OpenAI-compatible HTTP API" in top

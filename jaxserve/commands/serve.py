@@ -1,5 +1,9 @@
 """``jaxserve serve``: run the server (worker, engine and api processes) until SIGINT / SIGTERM.
 
+The api process serves the gRPC ``jaxserve.GenerateService`` on ``--port``
+(default 50051) and the OpenAI-compatible HTTP API on ``--http-port``
+(default 8000; ``--no-http``: gRPC only), both on ``--host``.
+
 ``--data-parallel-size D`` runs D engine + worker replicas behind the one api
 process (``jaxserve.launcher``).
 
@@ -24,7 +28,8 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags ``serve`` and ``demo`` share (engine flags included)."""
     add_engine_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1",
-                        help="address the gRPC server listens on (default 127.0.0.1)")
+                        help="address every port of the server listens on (default "
+                             "127.0.0.1)")
     parser.add_argument("--max-waiting-requests", type=int, default=256,
                         help="sequences that may wait beyond --max-num-seqs (times the "
                              "data-parallel replicas) before new requests get "
