@@ -101,6 +101,18 @@ def test_model_shapes_lower_for_cuda(problem):
     assert text.count(TRITON_CUSTOM_CALL) == 1
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("head_dim", [80, 96])
+def test_head_dims_not_a_power_of_two_lower_for_cuda(head_dim, dtype):
+    """H = 80 / 96 lowers through both paths in 128-column tiles (the H = 128 entry's launch)."""
+    for shape, problem in table_problems(head_dim, 16, dtype).items():
+        text = lower_for_cuda(_attention(problem), *problem.specs())
+        assert text.count(TRITON_CUSTOM_CALL) == 1, shape
+        (call,) = pallas_calls(problem)
+        want = DEFAULT_TUNING[(128, 16, dtype)].launch(problem.num_tokens)
+        assert f"_kv{want.block_kv}_" in str(call.params["name"]), (shape, call.params["name"])
+
+
 def test_every_pallas_call_has_a_cost_estimate():
     for problem in (*table_problems(64, 16, "float32").values(), DEMO_DECODE):
         calls = pallas_calls(problem)
