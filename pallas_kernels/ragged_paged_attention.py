@@ -85,7 +85,8 @@ def ragged_paged_attention(
 
     Same contract and results as ``ragged_paged_attention_reference`` (decode
     rows, prefill chunks and prefills continuing after cached blocks in one
-    call; GQA with any N / K, padded to a power of two inside the kernel).
+    call; GQA with any N / K and any head dim H, each padded to a power of two
+    inside the kernel).
     Decode-shaped steps (``T <= tuning.decode_max_tokens``) that cannot fill
     the GPU with one program per (row, KV head) split each row's keys
     (flash-decoding) and merge the partials in a combine step.
@@ -116,8 +117,8 @@ def ragged_paged_attention(
     Raises:
       ValueError: on inconsistent shapes (``tiles`` included), N not a
         multiple of K, or q and the cache in different dtypes.
-      NotImplementedError: H not a power of two >= 16, or a dtype other than
-        bfloat16 / float32.
+      NotImplementedError: a dtype other than bfloat16 / float32. (Any H works:
+        the kernel pads it to ``padded_head_dim(H)`` and masks the extra columns.)
     """
     check_shapes(q, k_cache, v_cache, block_table, seq_lens, query_start_loc)
     if not (q.dtype == k_cache.dtype == v_cache.dtype):

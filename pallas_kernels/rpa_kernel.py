@@ -10,7 +10,11 @@ Grid: ``(NT, K, NS)`` — query tiles x KV heads x KV splits. A query tile is up
 to ``block_q`` consecutive tokens of one row; with the row's GQA group of G
 query heads (padded inside the kernel to a power of two, G_pad) it makes a
 ``[block_q * G_pad, H]`` matrix, so one program reads each K/V tile of its row
-once for all the query heads that share the KV head. Tokens past the last row
+once for all the query heads that share the KV head. A head dim H that is
+not a power of two (80, 96, ...) is padded inside the kernel to the tile width
+H_pad = ``padded_head_dim(H)``: the extra columns are masked on every load
+(read as 0, so they add nothing to q·k and give 0 in p·v) and on every store
+(never written). Tokens past the last row
 (padding) form one more pseudo-row with no keys, whose programs write zeros.
 NT is a static bound (``num_query_tiles``); programs past the step's real
 tiles have no tokens and do nothing.
@@ -37,7 +41,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.tuning import TuningConfig, num_kv_splits
+from pallas_kernels.tuning import TuningConfig, next_pow2, num_kv_splits, padded_head_dim
 
 LOG2E = math.log2(math.e)
 # Finite, so that exp2(MASK - m) is 0 and never NaN (JAX's pallas ops use the same).
@@ -49,10 +53,6 @@ warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecat
                         category=DeprecationWarning)
 # Columns of the tile schedule, i32[NT, 5].
 _ROW, _Q_START, _Q_END, _KV_LEN, _POS_OFFSET = range(5)
-
-
-def next_pow2(x: int) -> int:
-    return 1 << max(0, x - 1).bit_length()
 
 
 def num_query_tiles(num_tokens: int, num_rows: int, block_q: int) -> int:
@@ -141,6 +141,7 @@ def _rpa_kernel(tiles_ref, block_table_ref, q_ref, k_ref, v_ref, *out_refs, num_
     block_m = block_q * group_pad
     head_dim = q_ref.shape[1]
     num_q_rows = q_ref.shape[0]
+    head_pad = padded_head_dim(head_dim)
 
     lane = jnp.arange(block_m, dtype=jnp.int32)  # [M] query rows of the tile: token-major
     token = q_start + lane // group_pad  # [M]
@@ -150,9 +151,11 @@ def _rpa_kernel(tiles_ref, block_table_ref, q_ref, k_ref, v_ref, *out_refs, num_
     # stores of interpret mode then drop them instead of racing real rows.
     q_rows = jnp.where(row_ok, token * num_heads + kv_head * group + g, num_q_rows + lane)  # [M]
     q_pos = token + pos_offset  # [M] position of each query in its sequence
-    cols = jnp.arange(head_dim, dtype=jnp.int32)  # [H]
-    q = plgpu.load(q_ref.at[q_rows[:, None], cols[None, :]], mask=row_ok[:, None],
-                   other=0.0)  # [M, H]
+    cols = jnp.arange(head_pad, dtype=jnp.int32)  # [H_pad]; columns >= H are padding
+    col_ok = cols < head_dim  # [H_pad]
+    q_mask = row_ok[:, None] & col_ok[None, :]  # [M, H_pad]
+    q = plgpu.load(q_ref.at[q_rows[:, None], cols[None, :]], mask=q_mask,
+                   other=0.0)  # [M, H_pad]
 
     # Keys this program reads: causal up to the tile's last query, from the
     # sliding window's start (aligned to block_kv), then this split's share.
@@ -177,7 +180,7 @@ def _rpa_kernel(tiles_ref, block_table_ref, q_ref, k_ref, v_ref, *out_refs, num_
         return plgpu.load(block_table_ref.at[row, col], mask=kv_ok, other=0)
 
     def body(it, carry):
-        # m [M], l [M], acc [M, H] f32 (m in log2 units); blk [BKV] this tile's block
+        # m [M], l [M], acc [M, H_pad] f32 (m in log2 units); blk [BKV] this tile's block
         # ids, read one iteration ahead so that the K/V gathers need not wait for the
         # block-table load (software pipelining of the table read).
         m, l, acc, blk = carry
@@ -185,8 +188,9 @@ def _rpa_kernel(tiles_ref, block_table_ref, q_ref, k_ref, v_ref, *out_refs, num_
         k_pos, kv_ok = key_positions(it)  # [BKV]
         kv_rows = (blk * num_kv_heads + kv_head) * block_size + k_pos % block_size
         kv_rows = jnp.where(kv_ok, kv_rows, 0)  # [BKV]
-        k = plgpu.load(k_ref.at[kv_rows[:, None], cols[None, :]], mask=kv_ok[:, None],
-                       other=0.0)  # [BKV, H]
+        kv_mask = kv_ok[:, None] & col_ok[None, :]  # [BKV, H_pad]
+        k = plgpu.load(k_ref.at[kv_rows[:, None], cols[None, :]], mask=kv_mask,
+                       other=0.0)  # [BKV, H_pad]
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                                 preferred_element_type=jnp.float32) * sm_scale  # [M, BKV]
         if soft_cap is not None:
@@ -199,24 +203,24 @@ def _rpa_kernel(tiles_ref, block_table_ref, q_ref, k_ref, v_ref, *out_refs, num_
         alpha = jnp.exp2(m - m_new)
         p = jnp.where(mask, jnp.exp2(s - m_new[:, None]), 0.0)  # [M, BKV] f32
         l = l * alpha + jnp.sum(p, axis=1)
-        v = plgpu.load(v_ref.at[kv_rows[:, None], cols[None, :]], mask=kv_ok[:, None],
-                       other=0.0)  # [BKV, H]
+        v = plgpu.load(v_ref.at[kv_rows[:, None], cols[None, :]], mask=kv_mask,
+                       other=0.0)  # [BKV, H_pad]
         pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-                                 preferred_element_type=jnp.float32)  # [M, H]
+                                 preferred_element_type=jnp.float32)  # [M, H_pad]
         return m_new, l, acc * alpha[:, None] + pv, next_blk
 
     init = (jnp.full((block_m,), MASK_VALUE, jnp.float32), jnp.zeros((block_m,), jnp.float32),
-            jnp.zeros((block_m, head_dim), jnp.float32), block_ids(it_lo))
+            jnp.zeros((block_m, head_pad), jnp.float32), block_ids(it_lo))
     m, l, acc, _ = jax.lax.fori_loop(it_lo, it_hi, body, init)
 
     if num_splits == 1:
         (o_ref,) = out_refs
         out = acc / jnp.where(l > 0.0, l, 1.0)[:, None]  # rows with no keys (padding) give 0
         plgpu.store(o_ref.at[q_rows[:, None], cols[None, :]], out.astype(o_ref.dtype),
-                    mask=row_ok[:, None])
+                    mask=q_mask)
     else:
         acc_ref, m_ref, l_ref = out_refs
-        plgpu.store(acc_ref.at[split, q_rows[:, None], cols[None, :]], acc, mask=row_ok[:, None])
+        plgpu.store(acc_ref.at[split, q_rows[:, None], cols[None, :]], acc, mask=q_mask)
         plgpu.store(m_ref.at[split, q_rows], m, mask=row_ok)
         plgpu.store(l_ref.at[split, q_rows], l, mask=row_ok)
 

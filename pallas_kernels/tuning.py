@@ -4,7 +4,8 @@ A variant of the kernel is a ``TuningConfig`` (a static argument), never a
 separate kernel: block sizes, Triton's ``num_warps`` / ``num_stages`` (each
 with a decode-shaped counterpart: ``TuningConfig.launch`` picks the set a
 step uses) and an optional split-K cap; ``num_kv_splits`` holds the split-K rule. ``DEFAULT_TUNING`` is keyed by
-``(head_dim, block_size, dtype name)``; every entry is lowered for ``cuda`` in
+``(tile width, block_size, dtype name)``, the tile width being the head dim
+padded to a power of two (``padded_head_dim``: 80 and 96 use the 128 entry); every entry is lowered for ``cuda`` in
 the default test suite and compiled for an H100 in the ``h100`` tier
 (scripts/h100_compile_env.sh), which is what caught shared-memory overflows
 while the table was written (docs/kernels.md has the numbers).
@@ -179,11 +180,33 @@ def _entries() -> dict[tuple[int, int, str], TuningConfig]:
 DEFAULT_TUNING: dict[tuple[int, int, str], TuningConfig] = _entries()
 
 
+def next_pow2(x: int) -> int:
+    """The smallest power of two >= x (1 for x <= 1)."""
+    return 1 << max(0, x - 1).bit_length()
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """H_pad: the kernel's tile width for head dim H, the next power of two, at least 16.
+
+    Triton tiles are powers of two and ``tl.dot`` needs a reduction dimension of
+    at least 16; the kernel masks the columns from H to H_pad (80 and 96 run as
+    128, 48 as 64). ``DEFAULT_TUNING`` is keyed by this width.
+
+    Raises:
+      ValueError: head_dim < 1.
+    """
+    if head_dim < 1:
+        raise ValueError(f"head_dim must be >= 1, got {head_dim}")
+    return max(16, next_pow2(head_dim))
+
+
 def tuning_for(head_dim: int, block_size: int, dtype) -> TuningConfig:
     """The default tuning for one cache geometry.
 
     Args:
-      head_dim: H. block_size: S (tokens per cache block). dtype: cache dtype.
+      head_dim: H, any width >= 1; the table is looked up at ``padded_head_dim(H)``
+        (H = 80 and 96 take the H = 128 entry).
+      block_size: S (tokens per cache block). dtype: cache dtype.
 
     Returns:
       The ``DEFAULT_TUNING`` entry, or for geometries outside the table (e.g.
@@ -191,15 +214,13 @@ def tuning_for(head_dim: int, block_size: int, dtype) -> TuningConfig:
       raised to at least S.
 
     Raises:
-      NotImplementedError: head_dim is not a power of two >= 16 (Triton tiles
-        must be powers of two), or dtype is neither bfloat16 nor float32.
+      NotImplementedError: dtype is neither bfloat16 nor float32.
+      ValueError: head_dim < 1.
     """
     name = jnp.dtype(dtype).name
     if name not in ("bfloat16", "float32"):
         raise NotImplementedError(f"dtype {name} is not supported (bfloat16, float32)")
-    if not _is_pow2(head_dim) or head_dim < 16:
-        raise NotImplementedError(f"head_dim must be a power of two >= 16, got {head_dim}")
-    entry = DEFAULT_TUNING.get((head_dim, block_size, name))
+    entry = DEFAULT_TUNING.get((padded_head_dim(head_dim), block_size, name))
     if entry is not None:
         return entry
     return TuningConfig(block_kv=max(64, 1 << (block_size - 1).bit_length()))

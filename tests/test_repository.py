@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import pathlib
 import re
+import tomllib
+
+from packaging.specifiers import SpecifierSet
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -24,6 +27,15 @@ def test_ci_runs_the_readme_test_command_verbatim():
     tests = _readme_commands()[1]
     ci = [line.strip() for line in (REPO / ".ci" / "run").read_text().splitlines()]
     assert tests in ci, f"{tests!r} is not a line of .ci/run"
+
+
+def test_python_version_file_meets_requires_python():
+    """``.python-version`` (pyenv's pick in the repository) is a Python pip accepts, and CI's."""
+    pinned = (REPO / ".python-version").read_text().strip()
+    requires = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["requires-python"]
+    assert re.fullmatch(r"3\.\d+", pinned), pinned
+    assert SpecifierSet(requires).contains(f"{pinned}.0"), (pinned, requires)
+    assert f"python{pinned} -m venv" in (REPO / ".ci" / "run").read_text()
 
 
 def test_one_step_implementation():

@@ -250,7 +250,7 @@ def load_model(model_dir: str | os.PathLike | None = None, dtype: str | jnp.dtyp
     # device receives its slice; without, on the default device.
     host = None if mesh is None else jax.local_devices(backend="cpu")[0]
     filled = {}
-    for param_path, abstract in state.flat_state():
+    for param_path, abstract in nnx.to_flat_state(state):
         with jax.default_device(host):
             value, names = _read_param(index, param_path, dtype, layout, scan_layers)
         if value.shape != abstract.shape:
@@ -259,7 +259,7 @@ def load_model(model_dir: str | os.PathLike | None = None, dtype: str | jnp.dtyp
                 f"expected {abstract.shape}")
         target = None if shardings is None else _at_path(shardings, param_path)
         filled[param_path] = sharding.place(value, target)
-    state = nnx.from_flat_state([(p, v.replace(filled[p])) for p, v in state.flat_state()])
+    state = nnx.from_flat_state([(p, v.replace(filled[p])) for p, v in nnx.to_flat_state(state)])
     params = nnx.to_pure_dict(state)
     logger.info("loaded %s (%s, %d layers, TP=%d) in %.1f s", path, config.architecture,
                 config.num_layers, tp, time.perf_counter() - start)

@@ -6,6 +6,8 @@ decode steps) against Hugging Face transformers' ``generate`` on PyTorch
 (CPU, float32), one prompt at a time.
 """
 
+import inspect
+
 import numpy as np
 import pytest
 import torch
@@ -17,6 +19,10 @@ from tests.model.paged_runner import PagedRunner
 pytestmark = pytest.mark.slow
 
 NEW_TOKENS = 32
+# transformers 5.x names the KV cache argument and output field ``cache``; the older
+# ``past_key_values`` warns from 5.25 on and goes in 5.40.
+CACHE = ("cache" if "cache" in inspect.signature(transformers.LlamaForCausalLM.forward).parameters
+         else "past_key_values")
 PLAIN = [
     "The capital of France is",
     "def fibonacci(n):",
@@ -50,8 +56,8 @@ def _transformers_greedy(model_dir, prompts):
             result = model(torch.tensor([ids]), use_cache=True)
             tokens = [int(result.logits[0, -1].argmax())]
             for _ in range(NEW_TOKENS - 1):
-                result = model(torch.tensor([[tokens[-1]]]), past_key_values=result.past_key_values,
-                               use_cache=True)
+                result = model(torch.tensor([[tokens[-1]]]), use_cache=True,
+                               **{CACHE: result[CACHE]})
                 tokens.append(int(result.logits[0, -1].argmax()))
             out.append(tokens)
     return out

@@ -1,8 +1,10 @@
 """Deviceless compile for an H100 (marker ``h100``; run with scripts/h100_compile_env.sh).
 
-Needs the CUDA plugin (jax-cuda12-plugin / jax-cuda12-pjrt of jax's version),
-``JAX_PLATFORMS=cpu`` and ptxas: XLA then compiles the Triton kernels to
-cubins for a topology built from pallas_kernels/h100_target_config.pbtxt,
+Needs the CUDA plugin (jax-cuda12-plugin / jax-cuda12-pjrt of jax's version,
+or the cuda13 pair), ``JAX_PLATFORMS=cpu`` and ptxas: lowered inside
+``abstract_gpu()`` (the Pallas Triton lowering asks which GPU it targets), XLA
+then compiles the Triton kernels to cubins for a topology built from
+pallas_kernels/h100_target_config.pbtxt,
 which also checks each kernel's shared memory against the H100's opt-in
 limit. Skipped when the plugin is absent (the default environment).
 
@@ -14,25 +16,27 @@ must hold no ``kWhile`` / ``kConditional`` (each would make the GPU wait on
 the host) and every kernel's shared memory must fit the H100.
 """
 
+import importlib.util
 import os
 import pathlib
 import re
 import tempfile
-
 import time
 
 import jax
 import jax.numpy as jnp
 import pytest
 
+from pallas_kernels.gpu_target import abstract_gpu
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 from pallas_kernels.tuning import DEFAULT_TUNING, TuningConfig
 from tests.pallas_kernels.shapes import (DEMO_DECODE, LLAMA3_8B_BATCH1_8K, LLAMA3_8B_DECODE_2K,
                                          LLAMA3_8B_DECODE_8K, LLAMA3_8B_PREFILL_8K, Problem,
                                          table_problems)
 
-pytest.importorskip("jax_plugins.xla_cuda12",
-                    reason="CUDA plugin absent: scripts/h100_compile_env.sh")
+if not any(importlib.util.find_spec(f"jax_plugins.xla_cuda{major}") is not None
+           for major in (12, 13) if importlib.util.find_spec("jax_plugins") is not None):
+    pytest.skip("CUDA plugin absent: scripts/h100_compile_env.sh", allow_module_level=True)
 pytestmark = pytest.mark.h100
 
 TARGET_CONFIG = pathlib.Path(__file__).parents[2] / "pallas_kernels" / "h100_target_config.pbtxt"
@@ -60,8 +64,9 @@ def h100():
 
 def thunk_sequences(jitted, specs) -> str:
     """Compiles ``jitted`` at ``specs`` (H100-sharded); returns XLA's thunk-sequence dumps."""
-    with tempfile.TemporaryDirectory() as dump:
-        jitted.trace(*specs).lower().compile(compiler_options={"xla_dump_to": dump})
+    with tempfile.TemporaryDirectory() as dump, abstract_gpu():
+        lowered = jitted.trace(*specs).lower(lowering_platforms=("cuda",))
+        lowered.compile(compiler_options={"xla_dump_to": dump})
         return "\n".join(p.read_text() for p in pathlib.Path(dump).glob("*thunk_sequence*"))
 
 
@@ -94,6 +99,15 @@ def test_default_table_compiles_for_h100(h100, key):
 def test_model_shapes_compile_for_h100(h100, problem):
     kernel = compile_for_h100(problem, h100)
     assert 0 < kernel["smem"] <= _smem_limit()
+
+
+@pytest.mark.parametrize("head_dim", [80, 96])
+def test_head_dims_not_a_power_of_two_compile_for_h100(h100, head_dim):
+    """H = 80 / 96 compile in 128-column tiles: the same shared memory as H = 128."""
+    for shape, problem in table_problems(head_dim, 16, "bfloat16").items():
+        kernel = compile_for_h100(problem, h100)
+        padded = compile_for_h100(table_problems(128, 16, "bfloat16")[shape], h100)
+        assert kernel["smem"] == padded["smem"] <= _smem_limit(), (shape, kernel, padded)
 
 
 def test_shared_memory_overflow_is_caught(h100):

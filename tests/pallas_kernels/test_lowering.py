@@ -1,7 +1,7 @@
 """Lowering for platform ``cuda`` without a GPU, and the kernel's cost estimate.
 
-``jax.jit(f).trace(*specs).lower(lowering_platforms=("cuda",))`` runs the
-Pallas Triton lowering (Triton IR built and serialised into the HLO custom
+``jax.jit(f).trace(*specs).lower(lowering_platforms=("cuda",))`` inside
+``abstract_gpu()`` (``tests/hlo_checks.lower_for_cuda``) runs the Pallas Triton lowering (Triton IR built and serialised into the HLO custom
 call) for every entry of the default tuning table, through both the split-K
 (decode-shaped) and the single-pass (prefill-shaped) paths. Compiling that IR
 for an H100 is the ``h100`` tier (test_h100_compile.py).
@@ -10,14 +10,13 @@ for an H100 is the ``h100`` tier (test_h100_compile.py).
 import jax
 import pytest
 
+from pallas_kernels.gpu_target import TRITON_CUSTOM_CALL
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 from pallas_kernels.tuning import DEFAULT_TUNING, TuningConfig, num_kv_splits
+from tests.hlo_checks import lower_for_cuda
 from tests.pallas_kernels.shapes import (DEMO_DECODE, LLAMA3_8B_BATCH1_8K, LLAMA3_8B_DECODE_2K,
                                          LLAMA3_8B_DECODE_8K, LLAMA3_8B_PREFILL_8K, Problem,
                                          table_problems)
-
-TRITON_CALL = "__gpu$xla.gpu.triton"
-
 
 def _attention(problem: Problem):
     scale = problem.head_dim ** -0.5
@@ -52,8 +51,8 @@ def _splits(problem: Problem) -> int:
 def test_default_table_lowers_for_cuda(key):
     for shape, problem in table_problems(*key).items():
         assert (_splits(problem) > 1) == (shape == "decode"), shape
-        lowered = _attention(problem).trace(*problem.specs()).lower(lowering_platforms=("cuda",))
-        assert lowered.as_text().count(TRITON_CALL) == 1, shape
+        text = lower_for_cuda(_attention(problem), *problem.specs())
+        assert text.count(TRITON_CUSTOM_CALL) == 1, shape
 
 
 @pytest.mark.parametrize("key", sorted(DEFAULT_TUNING), ids=lambda k: f"H{k[0]}-S{k[1]}-{k[2]}")
@@ -98,8 +97,20 @@ def test_decode_launch_falls_back_to_prefill_values():
                          ids=["llama3_8b_decode_8k", "llama3_8b_prefill_8k", "llama3_8b_batch1_8k",
                               "demo_decode"])
 def test_model_shapes_lower_for_cuda(problem):
-    lowered = _attention(problem).trace(*problem.specs()).lower(lowering_platforms=("cuda",))
-    assert lowered.as_text().count(TRITON_CALL) == 1
+    text = lower_for_cuda(_attention(problem), *problem.specs())
+    assert text.count(TRITON_CUSTOM_CALL) == 1
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("head_dim", [80, 96])
+def test_head_dims_not_a_power_of_two_lower_for_cuda(head_dim, dtype):
+    """H = 80 / 96 lowers through both paths in 128-column tiles (the H = 128 entry's launch)."""
+    for shape, problem in table_problems(head_dim, 16, dtype).items():
+        text = lower_for_cuda(_attention(problem), *problem.specs())
+        assert text.count(TRITON_CUSTOM_CALL) == 1, shape
+        (call,) = pallas_calls(problem)
+        want = DEFAULT_TUNING[(128, 16, dtype)].launch(problem.num_tokens)
+        assert f"_kv{want.block_kv}_" in str(call.params["name"]), (shape, call.params["name"])
 
 
 def test_every_pallas_call_has_a_cost_estimate():

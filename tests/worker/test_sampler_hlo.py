@@ -17,13 +17,9 @@ from jax import lax
 
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.worker.sampler import SAMPLER_VARIANTS, build_sampling_metadata, sample
-from tests.hlo_checks import assert_no_control_flow, control_flow_ops
+from tests.hlo_checks import assert_no_control_flow, control_flow_ops, lower_for_cuda
 
 ROWS, VOCAB = 8, 1000
-
-
-def lower_for_cuda(fn, *specs) -> str:
-    return jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def test_helper_finds_cond_and_while():

@@ -19,7 +19,7 @@ from jaxserve.model.loader import load_model
 from jaxserve.worker.executables import LadderShapes, ladder_executables
 from jaxserve.worker.rows import RowState
 from jaxserve.worker.sampler import SAMPLER_VARIANTS
-from tests.hlo_checks import assert_no_control_flow
+from tests.hlo_checks import assert_no_control_flow, lower_for_cuda
 from tests.model.hf_tiny import make_tiny_model
 
 
@@ -37,8 +37,7 @@ def ladder(tmp_path_factory):
 
 def _lower_for_cuda(exe) -> str:
     specs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), exe.args)
-    jitted = jax.jit(exe.fn, donate_argnums=exe.donate)
-    return jitted.trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+    return lower_for_cuda(exe.fn, *specs, donate_argnums=exe.donate)
 
 
 def test_the_ladder_covers_every_kind_and_variant(ladder):
