@@ -43,9 +43,10 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
+from jax import export
 
 from jaxserve.step_plan import RecompileError
-from jaxserve.worker.program_store import ProgramStore, export_program
+from jaxserve.worker.program_store import ProgramStore, StoreUnusable, export_program
 
 logger = logging.getLogger(__name__)
 
@@ -198,27 +199,49 @@ def _named(fn: Callable, executable_name: str) -> Callable:
     return fn
 
 
+def trace_program(exe: StepExecutable, platforms: tuple[str, ...] | None = None
+                  ) -> tuple[export.Exported, Any]:
+    """``exe``'s traced program (``jax.export``) and its result tree: what the store keeps.
+
+    Args:
+      platforms: lower for these (e.g. ``("cuda",)`` inside
+        ``pallas_kernels.gpu_target.abstract_gpu()``); None: the default backend.
+
+    Raises:
+      StoreUnusable: the program cannot be exported (``export_program``).
+    """
+    flat_fn, specs, _, donated, out_tree_cell = _flat(exe)
+    program = export_program(jax.jit(flat_fn, donate_argnums=donated), specs, platforms)
+    return program, out_tree_cell[0]
+
+
 def _compile_one(exe: StepExecutable, store: ProgramStore | None) -> tuple[StepFunction, bool]:
-    """The executable compiled (or loaded from the caches); True when its program was stored."""
+    """The executable compiled (or loaded from the caches); True when its program was stored.
+
+    Raises:
+      StoreUnusable: the store failed for this executable (export, write, or
+        compiling a stored program); the caller compiles it without the store.
+    """
     flat_fn, specs, in_tree, donated, out_tree_cell = _flat(exe)
     key = store.key(exe.name, exe.key) if store is not None and exe.key else None
-    stored = store.load(key) if key is not None else None
-    if stored is not None:
-        program, out_tree = stored
+    if key is None:
+        compiled = jax.jit(flat_fn, donate_argnums=donated).lower(*specs).compile()
+        return StepFunction(exe.name, compiled, in_tree, out_tree_cell[0]), False
+    stored = store.load(key)
+    from_store = stored is not None
+    if stored is None:
+        stored = trace_program(exe)
+        store.save(key, *stored)
+    program, out_tree = stored
+    try:
+        # A fresh trace is compiled exactly as a restart will compile it, so
+        # that the restart is a persistent-cache hit.
         compiled = jax.jit(_program_call(program, exe.name),
                            donate_argnums=donated).lower(*specs).compile()
-        return StepFunction(exe.name, compiled, in_tree, out_tree), True
-    jitted = jax.jit(flat_fn, donate_argnums=donated)
-    if key is None:
-        compiled = jitted.lower(*specs).compile()
-        return StepFunction(exe.name, compiled, in_tree, out_tree_cell[0]), False
-    program = export_program(jitted, specs)
-    store.save(key, program, out_tree_cell[0])
-    # Compile the program exactly as a restart will, so that the restart is a
-    # persistent-cache hit.
-    compiled = jax.jit(_program_call(program, exe.name),
-                       donate_argnums=donated).lower(*specs).compile()
-    return StepFunction(exe.name, compiled, in_tree, out_tree_cell[0]), False
+    except Exception as err:  # noqa: BLE001 - compiled again without the store
+        raise StoreUnusable(f"compiling the stored program of {exe.name} failed: "
+                            f"{type(err).__name__}: {str(err)[:300]}") from err
+    return StepFunction(exe.name, compiled, in_tree, out_tree), from_store
 
 
 def _program_call(program, executable_name: str) -> Callable:
@@ -274,7 +297,13 @@ def compile_all(executables: Sequence[StepExecutable], *, progress: bool = True,
               leave=False) as bar:
         for exe in executables:
             bar.set_postfix_str(exe.name, refresh=False)
-            functions[exe.name], from_store = _compile_one(exe, store)
+            try:
+                functions[exe.name], from_store = _compile_one(exe, store)
+            except StoreUnusable as err:
+                logger.warning("program store off for this start (executables are compiled "
+                               "without it): %s", err)
+                store = None
+                functions[exe.name], from_store = _compile_one(exe, None)
             loaded += from_store
             by_kind[exe.kind] += 1
             bar.update(1)
