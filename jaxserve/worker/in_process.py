@@ -67,13 +67,15 @@ from jaxserve.step_plan import Geometry, StepPlan, StepResult, WorkerInit, Worke
 from jaxserve.worker import device_state as ds
 from jaxserve.worker import model_runner as mr
 from jaxserve.worker.compile_manager import (RecompileGuard, StepFunction, compile_all,
+                                             compile_in_background,
                                              configure_persistent_cache, program_store)
 from jaxserve.worker.executables import (LadderShapes, ladder_executables, lower_body,
-                                         lower_sampler, sampler_name, variant_name)
+                                         lower_sampler, sampler_name, split_for_startup,
+                                         variant_name)
 from jaxserve.worker.inputs import StepLayout, pack, query_input_ids
 from jaxserve.worker.kv_sizing import device_memory, num_kv_blocks, peak_activation_bytes
 from jaxserve.worker.rows import RowState
-from jaxserve.worker.sampler import SamplerOutput
+from jaxserve.worker.sampler import SAMPLER_VARIANTS, SamplerOutput, SamplerVariant
 
 logger = logging.getLogger(__name__)
 
@@ -165,6 +167,7 @@ class InProcessWorker:
         self.compile_report = None
         self.functions: dict[str, StepFunction] = {}  # name → compiled at start-up
         self.guard = RecompileGuard()
+        self.background_compile: threading.Thread | None = None  # the middle sampler variants
         self._clock = DeviceClock()
         self.ready = False
 
@@ -236,12 +239,16 @@ class InProcessWorker:
         self.request_buckets = tuple(sorted(init.request_buckets))
         self.guard = RecompileGuard(strict=init.strict_recompile)
         if init.precompile:
-            self.compile_report = compile_all(
-                ladder_executables(shapes(self.kv_cache), init.token_buckets,
-                                   init.request_buckets), progress=self._progress,
-                store=program_store(init.compilation_cache_dir))
-            self.functions = self.compile_report.functions
+            now, later = split_for_startup(ladder_executables(
+                shapes(self.kv_cache), init.token_buckets, init.request_buckets))
+            store = program_store(init.compilation_cache_dir)
+            self.compile_report = compile_all(now, progress=self._progress, store=store)
+            self.functions = dict(self.compile_report.functions)
             self.guard.arm()
+            # The middle sampler variants: until one is ready, its steps run the
+            # cheapest ready variant that covers it (``_ready_variant``).
+            self.background_compile = compile_in_background(
+                later, self.functions, None if self.compile_report.store_off_reason else store)
         self.geometry = Geometry(num_kv_blocks=int(num_blocks), block_size=init.block_size,
                                  max_model_len=max_model_len, vocab_size=config.vocab_size,
                                  eos_token_ids=tuple(config.eos_token_ids))
@@ -345,7 +352,7 @@ class InProcessWorker:
         if not r:
             return PendingStep(plan.step_id, 0, None, False, slots.rows, dispatched,
                                dispatched - start, self._clock, self._count)
-        variant = rows.sampler_variant(sample_rows)
+        variant = self._ready_variant(r, rows.sampler_variant(sample_rows))
         rows.count_sampled(sample_rows)
         penalty = self.penalty if variant.processing else ds.PenaltyState(None, None)
         out, self.last_token, counts = self._call(
@@ -361,6 +368,18 @@ class InProcessWorker:
             leaf.copy_to_host_async()
         return PendingStep(plan.step_id, len(sample_rows), out, logprobs, out.token_ids,
                            dispatched, dispatched - start, self._clock, self._count)
+
+    def _ready_variant(self, r: int, needed: SamplerVariant) -> SamplerVariant:
+        """The cheapest compiled sampler variant at R = ``r`` that covers ``needed``.
+
+        ``needed`` itself once compiled; before that (a variant compiled in the
+        background) a wider one, FULL at worst, whose tokens are the same.
+        With ``precompile`` off, ``needed`` (compiled on first use).
+        """
+        if not self.init.precompile:
+            return needed
+        return next(v for v in SAMPLER_VARIANTS
+                    if v.covers(needed) and sampler_name(r, v) in self.functions)
 
     def _sync_rows(self, rows: np.ndarray) -> None:
         """One staged write of whole rows (host mirror → device), padded to an R bucket."""
