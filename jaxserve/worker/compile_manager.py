@@ -330,6 +330,18 @@ class CompileReport:
     functions: dict[str, StepFunction] = dataclasses.field(default_factory=dict)
     store_off_reason: str | None = None
 
+    def combined(self, later: "CompileReport") -> "CompileReport":
+        """This report followed by ``later``'s (counts and seconds added)."""
+        return CompileReport(
+            num_executables=self.num_executables + later.num_executables,
+            by_kind=dict(collections.Counter(self.by_kind) + collections.Counter(later.by_kind)),
+            seconds=self.seconds + later.seconds,
+            num_backend_compiles=self.num_backend_compiles + later.num_backend_compiles,
+            num_cache_hits=self.num_cache_hits + later.num_cache_hits,
+            num_programs_loaded=self.num_programs_loaded + later.num_programs_loaded,
+            functions={**self.functions, **later.functions},
+            store_off_reason=self.store_off_reason or later.store_off_reason)
+
 
 def compile_threads() -> int:
     """Default compile threads: half the CPU cores, 1 to 8 (1 on a 2-core machine)."""
@@ -398,28 +410,52 @@ def compile_all(executables: Sequence[StepExecutable], *, progress: bool = True,
     return report
 
 
-def compile_in_background(executables: Sequence[StepExecutable],
-                          functions: dict[str, StepFunction],
-                          store: ProgramStore | None = None) -> threading.Thread:
-    """Compiles ``executables`` in a daemon thread, adding each to ``functions`` when ready.
+class BackgroundCompile:
+    """Compiles executables in a daemon thread, adding each to a dict when ready.
 
     For executables the worker can do without until they are ready (the
     middle sampler variants: ``executables.split_for_startup``). The
     thread's compiles are its own: a ``RecompileGuard`` watching a step on
     another thread does not count them. A failure is logged, never raised:
     the worker keeps using what it has.
-    """
-    def run() -> None:
-        try:
-            compile_all(executables, progress=False, desc="background", store=store,
-                        threads=1, on_ready=functions.__setitem__)
-        except Exception:  # noqa: BLE001 - the worker runs on without these executables
-            logger.exception("background compile of %d executables failed; the worker "
-                             "keeps using the ones it has", len(executables))
 
-    thread = threading.Thread(target=run, name="background-compile", daemon=True)
-    thread.start()
-    return thread
+    Args:
+      executables: what to compile, in order.
+      functions: receives name → ``StepFunction`` as each is ready.
+      store: the program store (None: none).
+    """
+
+    def __init__(self, executables: Sequence[StepExecutable],
+                 functions: dict[str, StepFunction], store: ProgramStore | None = None):
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(list(executables), functions,
+                                                              store),
+                                       name="background-compile", daemon=True)
+        self.thread.start()
+
+    def _run(self, executables, functions, store) -> None:
+        start = time.perf_counter()
+        switch = _StoreSwitch(store)
+        try:
+            for exe in executables:
+                if self._stop.is_set():
+                    return
+                functions[exe.name] = switch.compile(exe, switch.lower(exe))[0]
+        except Exception:  # noqa: BLE001 - the worker runs on without these executables
+            logger.exception("background compile failed; the worker keeps using the "
+                             "executables it has")
+            return
+        logger.info("%d background executables ready in %.1f s", len(executables),
+                    time.perf_counter() - start)
+
+    def join(self, timeout: float | None = None) -> None:
+        """Waits for every executable (or ``stop``)."""
+        self.thread.join(timeout)
+
+    def stop(self) -> None:
+        """Compiles nothing more (the one in progress finishes) and waits for the thread."""
+        self._stop.set()
+        self.thread.join()
 
 
 def program_store(directory: str | None) -> ProgramStore | None:

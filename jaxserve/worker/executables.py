@@ -130,15 +130,17 @@ def lower_sampler(shapes: LadderShapes, num_reqs: int) -> jax.stages.Lowered:
     return sampler_executable(shapes, num_reqs, SAMPLER_VARIANTS[-1]).lower()
 
 
-def shape_material(shapes: LadderShapes) -> str:
+def shape_material(shapes: LadderShapes, with_kv_cache: bool = True) -> str:
     """What fixes every executable of the ladder besides its bucket and the code.
 
     The model graph (its repr names every static attribute, the model
     configuration included), the shapes and dtypes of the parameters, the KV
-    cache and the gathered hidden states, the rows' geometry and the attention
-    backend; deterministic across processes (it keys the program store).
+    cache (``with_kv_cache``: the bodies; the samplers and row writes do not
+    take it, so a KV cache of another size keeps their entries) and the
+    gathered hidden states, the rows' geometry and the attention backend;
+    deterministic across processes (it keys the program store).
     """
-    arrays = (shapes.state, shapes.kv_cache, shapes.hidden)
+    arrays = (shapes.state, shapes.kv_cache if with_kv_cache else None, shapes.hidden)
     leaves = [(tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(arrays)]
     rows = shapes.rows
     return repr((repr(shapes.graphdef.graphdef), str(jax.tree.structure(arrays)), leaves,
@@ -168,8 +170,8 @@ def ladder_executables(shapes: LadderShapes, token_buckets: tuple[int, ...],
                        request_buckets: tuple[int, ...]) -> list[StepExecutable]:
     """Every executable the worker can call for these ladders (see the module docstring)."""
     v = shapes.rows.vocab_size
-    key = shape_material(shapes)
-    out = [body_executable(shapes, t, key) for t in token_buckets]
+    out = [body_executable(shapes, t, shape_material(shapes)) for t in token_buckets]
+    key = shape_material(shapes, with_kv_cache=False)
     out += [sampler_executable(shapes, r, variant, key)
             for r in request_buckets for variant in SAMPLER_VARIANTS]
     full = shapes.device_rows

@@ -11,6 +11,7 @@ mix every sampling feature, n > 1, aborts, chunked prefill and preemption.
 from __future__ import annotations
 
 import random
+import threading
 
 import jax
 import numpy as np
@@ -66,6 +67,9 @@ def test_500_random_requests_compile_nothing_after_warm_up(tiny):
                               "sampler": (len(SAMPLER_VARIANTS) - len(BACKGROUND_VARIANTS))
                               * len(R_LADDER), "rows": len(R_LADDER) + 1}
     worker.background_compile.join()
+    for thread in threading.enumerate():  # any other worker's of this process, too
+        if thread.name == "background-compile":
+            thread.join()
     samplers = [name for name in worker.functions if name.startswith("sampler[")]
     # The step executables: |T| + |variants| x |R|, not a product with T.
     assert len(samplers) == len(SAMPLER_VARIANTS) * len(R_LADDER)
