@@ -13,7 +13,9 @@ K and one for V). Scanning compiles one layer instead of L — a demo-model
 body executable in 1.15 s instead of 5.1 s here — but on the CPU it decodes
 ~1.3× slower (XLA copies each layer's weights out of the stack every
 step): a switch, off by default, chosen per backend by measurement
-(docs/model.md).
+(docs/model.md). Off on a GPU too: in the deviceless H100 compile of a
+Llama-3-8B-shaped body XLA copies each layer's weights out of the stack
+before its GEMMs as well (docs/worker.md, *GPU start-up, deviceless*).
 
 Projections are fused at load time: ``qkv_proj`` is ``[(N + 2K)·H, D]`` and
 ``gate_up_proj`` is ``[2F, D]`` — one matrix product each instead of three and

@@ -32,6 +32,7 @@ sub-second compiles are cached too).
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
 import dataclasses
 import logging
@@ -43,9 +44,10 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
+from jax import export
 
 from jaxserve.step_plan import RecompileError
-from jaxserve.worker.program_store import ProgramStore, export_program
+from jaxserve.worker.program_store import ProgramStore, StoreUnusable, export_program
 
 logger = logging.getLogger(__name__)
 
@@ -198,27 +200,100 @@ def _named(fn: Callable, executable_name: str) -> Callable:
     return fn
 
 
-def _compile_one(exe: StepExecutable, store: ProgramStore | None) -> tuple[StepFunction, bool]:
-    """The executable compiled (or loaded from the caches); True when its program was stored."""
+def trace_program(exe: StepExecutable, platforms: tuple[str, ...] | None = None
+                  ) -> tuple[export.Exported, Any]:
+    """``exe``'s traced program (``jax.export``) and its result tree: what the store keeps.
+
+    Args:
+      platforms: lower for these (e.g. ``("cuda",)`` inside
+        ``pallas_kernels.gpu_target.abstract_gpu()``); None: the default backend.
+
+    Raises:
+      StoreUnusable: the program cannot be exported (``export_program``).
+    """
+    flat_fn, specs, _, donated, out_tree_cell = _flat(exe)
+    program = export_program(jax.jit(flat_fn, donate_argnums=donated), specs, platforms)
+    return program, out_tree_cell[0]
+
+
+# Tracing and lowering run one at a time, in the thread that called
+# ``compile_all`` (JAX's and flax's context managers are per thread, and the
+# model's Python holds the GIL anyway); XLA's compiles, which release the
+# GIL, run in parallel.
+_TRACE_LOCK = threading.RLock()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Lowered:
+    lowered: jax.stages.Lowered
+    in_tree: Any
+    out_tree: Any
+    from_store: bool  # the program came from the store
+    via_store: bool  # the program went through the store (exported or loaded)
+
+
+def _lower_one(exe: StepExecutable, store: ProgramStore | None) -> _Lowered:
+    """The executable lowered: from its stored program, or traced (and stored).
+
+    Raises:
+      StoreUnusable: the store failed for this executable (export or write);
+        the caller lowers it again without the store.
+    """
     flat_fn, specs, in_tree, donated, out_tree_cell = _flat(exe)
     key = store.key(exe.name, exe.key) if store is not None and exe.key else None
-    stored = store.load(key) if key is not None else None
-    if stored is not None:
+    with _TRACE_LOCK:
+        if key is None:
+            lowered = jax.jit(flat_fn, donate_argnums=donated).lower(*specs)
+            return _Lowered(lowered, in_tree, out_tree_cell[0], False, False)
+        stored = store.load(key)
+        from_store = stored is not None
+        if stored is None:
+            stored = trace_program(exe)
+            store.save(key, *stored)
         program, out_tree = stored
-        compiled = jax.jit(_program_call(program, exe.name),
-                           donate_argnums=donated).lower(*specs).compile()
-        return StepFunction(exe.name, compiled, in_tree, out_tree), True
-    jitted = jax.jit(flat_fn, donate_argnums=donated)
-    if key is None:
-        compiled = jitted.lower(*specs).compile()
-        return StepFunction(exe.name, compiled, in_tree, out_tree_cell[0]), False
-    program = export_program(jitted, specs)
-    store.save(key, program, out_tree_cell[0])
-    # Compile the program exactly as a restart will, so that the restart is a
-    # persistent-cache hit.
-    compiled = jax.jit(_program_call(program, exe.name),
-                       donate_argnums=donated).lower(*specs).compile()
-    return StepFunction(exe.name, compiled, in_tree, out_tree_cell[0]), False
+        # A fresh trace is compiled exactly as a restart will compile it, so
+        # that the restart is a persistent-cache hit.
+        lowered = jax.jit(_program_call(program, exe.name), donate_argnums=donated).lower(*specs)
+    return _Lowered(lowered, in_tree, out_tree, from_store, True)
+
+
+class _StoreSwitch:
+    """One start's program store, turned off at its first failure (logged once)."""
+
+    def __init__(self, store: ProgramStore | None):
+        self.store = store
+        self.off_reason: str | None = None
+        self._lock = threading.Lock()
+
+    def turn_off(self, reason: str) -> None:
+        with self._lock:
+            if self.off_reason is None:
+                self.off_reason = reason
+                logger.warning("program store off for this start (executables are compiled "
+                               "without it): %s", reason)
+            self.store = None
+
+    def lower(self, exe: StepExecutable) -> _Lowered:
+        try:
+            return _lower_one(exe, self.store)
+        except StoreUnusable as err:
+            self.turn_off(str(err))
+            return _lower_one(exe, None)
+
+    def compile(self, exe: StepExecutable, lowered: _Lowered) -> tuple[StepFunction, bool]:
+        """Compiles ``lowered``; a stored program that fails to compile is compiled anew
+        without the store (a genuine error then shows as itself)."""
+        try:
+            compiled = lowered.lowered.compile()
+        except Exception as err:  # noqa: BLE001 - compiled again without the store
+            if not lowered.via_store:
+                raise
+            self.turn_off(f"compiling the stored program of {exe.name} failed: "
+                          f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:300]}")
+            lowered = _lower_one(exe, None)
+            compiled = lowered.lowered.compile()
+        return StepFunction(exe.name, compiled, lowered.in_tree, lowered.out_tree), \
+            lowered.from_store
 
 
 def _program_call(program, executable_name: str) -> Callable:
@@ -242,6 +317,8 @@ class CompileReport:
       num_programs_loaded: executables whose traced program came from the
         program store (no tracing, no lowering of the model's Python).
       functions: name → the compiled ``StepFunction``, for the worker to call.
+      store_off_reason: why the program store was turned off during this
+        call (None: it was not).
     """
 
     num_executables: int
@@ -251,17 +328,46 @@ class CompileReport:
     num_cache_hits: int
     num_programs_loaded: int = 0
     functions: dict[str, StepFunction] = dataclasses.field(default_factory=dict)
+    store_off_reason: str | None = None
+
+    def combined(self, later: "CompileReport") -> "CompileReport":
+        """This report followed by ``later``'s (counts and seconds added)."""
+        return CompileReport(
+            num_executables=self.num_executables + later.num_executables,
+            by_kind=dict(collections.Counter(self.by_kind) + collections.Counter(later.by_kind)),
+            seconds=self.seconds + later.seconds,
+            num_backend_compiles=self.num_backend_compiles + later.num_backend_compiles,
+            num_cache_hits=self.num_cache_hits + later.num_cache_hits,
+            num_programs_loaded=self.num_programs_loaded + later.num_programs_loaded,
+            functions={**self.functions, **later.functions},
+            store_off_reason=self.store_off_reason or later.store_off_reason)
+
+
+def compile_threads() -> int:
+    """Default compile threads: half the CPU cores, 1 to 8 (1 on a 2-core machine)."""
+    return max(1, min(8, (os.cpu_count() or 1) // 2))
 
 
 def compile_all(executables: Sequence[StepExecutable], *, progress: bool = True,
                 desc: str = "compiling step executables",
-                store: ProgramStore | None = None) -> CompileReport:
+                store: ProgramStore | None = None, threads: int | None = None,
+                on_ready: Callable[[str, StepFunction], None] | None = None) -> CompileReport:
     """Compiles every executable, or loads it from the program store and JAX's cache.
 
     With a ``store``, each executable's traced program is loaded from it when
     present (then compiled: a persistent-cache hit on a warm restart), or
-    traced, stored and compiled. Shows a tqdm progress bar on stderr
-    (``progress``) and logs the total time.
+    traced, stored and compiled; the first store failure turns the store off
+    for the rest (one log line, ``CompileReport.store_off_reason``). Tracing
+    and lowering run one executable at a time; XLA compiles run in
+    ``threads`` threads (default ``compile_threads()``). Shows a tqdm
+    progress bar on stderr (``progress``) and logs the total time.
+
+    Args:
+      on_ready: called with (name, function) as each executable is ready.
+
+    Raises:
+      Whatever compiling an executable without the store raises (the
+      remaining compiles are cancelled).
     """
     from tqdm.auto import tqdm
 
@@ -269,37 +375,105 @@ def compile_all(executables: Sequence[StepExecutable], *, progress: bool = True,
     compiles, hits = COUNTER.compiles, COUNTER.cache_hits
     by_kind: collections.Counter[str] = collections.Counter()
     functions: dict[str, StepFunction] = {}
+    switch = _StoreSwitch(store)
     loaded = 0
+    threads = threads or compile_threads()
     with tqdm(total=len(executables), desc=desc, unit="exe", disable=not progress,
               leave=False) as bar:
-        for exe in executables:
-            bar.set_postfix_str(exe.name, refresh=False)
-            functions[exe.name], from_store = _compile_one(exe, store)
-            loaded += from_store
-            by_kind[exe.kind] += 1
-            bar.update(1)
+        pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="compile")
+        try:
+            futures = {}
+            for exe in executables:  # lowered here, one by one; compiled in the pool
+                futures[pool.submit(switch.compile, exe, switch.lower(exe))] = exe
+            for future in concurrent.futures.as_completed(futures):
+                exe = futures[future]
+                functions[exe.name], from_store = future.result()
+                if on_ready is not None:
+                    on_ready(exe.name, functions[exe.name])
+                loaded += from_store
+                by_kind[exe.kind] += 1
+                bar.set_postfix_str(exe.name, refresh=False)
+                bar.update(1)
+        finally:
+            pool.shutdown(cancel_futures=True)
     report = CompileReport(
         num_executables=len(executables), by_kind=dict(by_kind),
         seconds=time.perf_counter() - start,
         num_backend_compiles=COUNTER.compiles - compiles,
         num_cache_hits=COUNTER.cache_hits - hits, num_programs_loaded=loaded,
-        functions=functions)
-    logger.info("%d step executables (%s) ready in %.1f s: %d XLA executables, %d loaded from "
-                "the persistent compilation cache, %d programs from the program store",
-                report.num_executables,
+        functions=functions, store_off_reason=switch.off_reason)
+    logger.info("%d step executables (%s) ready in %.1f s (%d compile threads): %d XLA "
+                "executables, %d loaded from the persistent compilation cache, %d programs "
+                "from the program store", report.num_executables,
                 ", ".join(f"{n} {k}" for k, n in sorted(by_kind.items())), report.seconds,
-                report.num_backend_compiles, report.num_cache_hits, loaded)
+                threads, report.num_backend_compiles, report.num_cache_hits, loaded)
     return report
+
+
+class BackgroundCompile:
+    """Compiles executables in a daemon thread, adding each to a dict when ready.
+
+    For executables the worker can do without until they are ready (the
+    middle sampler variants: ``executables.split_for_startup``). The
+    thread's compiles are its own: a ``RecompileGuard`` watching a step on
+    another thread does not count them. A failure is logged, never raised:
+    the worker keeps using what it has.
+
+    Args:
+      executables: what to compile, in order.
+      functions: receives name → ``StepFunction`` as each is ready.
+      store: the program store (None: none).
+    """
+
+    def __init__(self, executables: Sequence[StepExecutable],
+                 functions: dict[str, StepFunction], store: ProgramStore | None = None):
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(list(executables), functions,
+                                                              store),
+                                       name="background-compile", daemon=True)
+        self.thread.start()
+
+    def _run(self, executables, functions, store) -> None:
+        start = time.perf_counter()
+        switch = _StoreSwitch(store)
+        try:
+            for exe in executables:
+                if self._stop.is_set():
+                    return
+                functions[exe.name] = switch.compile(exe, switch.lower(exe))[0]
+        except Exception:  # noqa: BLE001 - the worker runs on without these executables
+            logger.exception("background compile failed; the worker keeps using the "
+                             "executables it has")
+            return
+        logger.info("%d background executables ready in %.1f s", len(executables),
+                    time.perf_counter() - start)
+
+    def join(self, timeout: float | None = None) -> None:
+        """Waits for every executable (or ``stop``)."""
+        self.thread.join(timeout)
+
+    def stop(self) -> None:
+        """Compiles nothing more (the one in progress finishes) and waits for the thread."""
+        self._stop.set()
+        self.thread.join()
 
 
 def program_store(directory: str | None) -> ProgramStore | None:
     """The program store beside the persistent cache: ``<dir>/jaxserve-programs``.
 
     ``directory`` None falls back to JAX's configured cache directory; with
-    neither there is no store.
+    neither there is no store. A store that cannot be opened is logged (one
+    line) and None returned: the store never stops a start.
     """
     directory = directory or jax.config.jax_compilation_cache_dir
-    return ProgramStore(os.path.join(directory, "jaxserve-programs")) if directory else None
+    if not directory:
+        return None
+    try:
+        return ProgramStore(os.path.join(directory, "jaxserve-programs"))
+    except Exception as err:  # noqa: BLE001 - the store is an optimisation
+        logger.warning("program store off for this start: %s: %s", type(err).__name__,
+                       str(err)[:300])
+        return None
 
 
 class RecompileGuard:

@@ -11,6 +11,13 @@ shapes and dtypes ``InProcessWorker`` later calls it with, as
 - rows: ``sync_rows`` per R (new rows' staged writes, padded to R) and
   ``set_penalty_row``: |R ladder| + 1.
 
+``split_for_startup`` orders them for start-up: everything but the middle
+sampler variants is compiled before the worker is ready; the middle
+variants (``BACKGROUND_VARIANTS``) are compiled after, in a background
+thread, and until one is ready a step that would use it runs the cheapest
+ready variant that covers it (FULL covers every row, with FULL's tokens bit
+for bit: tests/worker/test_sampler_variants.py).
+
 The body returns its sampling rows' hidden states in a fixed ``[M, D]``, so
 the body does not depend on R nor the sampler on T.
 
@@ -33,7 +40,7 @@ from jaxserve.worker.device_state import PenaltyState, host_rows, set_penalty_ro
 from jaxserve.worker.inputs import StepLayout
 from jaxserve.worker.model_runner import run_body, run_sampler
 from jaxserve.worker.rows import RowState
-from jaxserve.worker.sampler import SAMPLER_VARIANTS, SamplerVariant
+from jaxserve.worker.sampler import FULL, GREEDY, SAMPLER_VARIANTS, SamplerVariant
 from jaxserve.worker.sampler.variants import STAGES
 
 _I32 = np.int32
@@ -123,15 +130,17 @@ def lower_sampler(shapes: LadderShapes, num_reqs: int) -> jax.stages.Lowered:
     return sampler_executable(shapes, num_reqs, SAMPLER_VARIANTS[-1]).lower()
 
 
-def shape_material(shapes: LadderShapes) -> str:
+def shape_material(shapes: LadderShapes, with_kv_cache: bool = True) -> str:
     """What fixes every executable of the ladder besides its bucket and the code.
 
     The model graph (its repr names every static attribute, the model
     configuration included), the shapes and dtypes of the parameters, the KV
-    cache and the gathered hidden states, the rows' geometry and the attention
-    backend; deterministic across processes (it keys the program store).
+    cache (``with_kv_cache``: the bodies; the samplers and row writes do not
+    take it, so a KV cache of another size keeps their entries) and the
+    gathered hidden states, the rows' geometry and the attention backend;
+    deterministic across processes (it keys the program store).
     """
-    arrays = (shapes.state, shapes.kv_cache, shapes.hidden)
+    arrays = (shapes.state, shapes.kv_cache if with_kv_cache else None, shapes.hidden)
     leaves = [(tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(arrays)]
     rows = shapes.rows
     return repr((repr(shapes.graphdef.graphdef), str(jax.tree.structure(arrays)), leaves,
@@ -139,12 +148,30 @@ def shape_material(shapes: LadderShapes) -> str:
                  shapes.backend))
 
 
+# Compiled after the worker is ready (``split_for_startup``); GREEDY (the
+# cheapest) and FULL (which covers every row) are compiled before.
+BACKGROUND_VARIANTS = tuple(v for v in SAMPLER_VARIANTS if v not in (GREEDY, FULL))
+
+
+def split_for_startup(executables: list[StepExecutable]
+                      ) -> tuple[list[StepExecutable], list[StepExecutable]]:
+    """(compiled before ready, compiled in the background after): see the module docstring.
+
+    The second list holds the samplers of ``BACKGROUND_VARIANTS``, in ladder order.
+    """
+    later = {variant_name(v) for v in BACKGROUND_VARIANTS}
+    is_later = [exe.kind == "sampler" and exe.name.split(",", 1)[1][:-1] in later
+                for exe in executables]
+    return ([exe for exe, b in zip(executables, is_later) if not b],
+            [exe for exe, b in zip(executables, is_later) if b])
+
+
 def ladder_executables(shapes: LadderShapes, token_buckets: tuple[int, ...],
                        request_buckets: tuple[int, ...]) -> list[StepExecutable]:
     """Every executable the worker can call for these ladders (see the module docstring)."""
     v = shapes.rows.vocab_size
-    key = shape_material(shapes)
-    out = [body_executable(shapes, t, key) for t in token_buckets]
+    out = [body_executable(shapes, t, shape_material(shapes)) for t in token_buckets]
+    key = shape_material(shapes, with_kv_cache=False)
     out += [sampler_executable(shapes, r, variant, key)
             for r in request_buckets for variant in SAMPLER_VARIANTS]
     full = shapes.device_rows

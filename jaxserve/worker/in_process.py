@@ -67,15 +67,21 @@ from jaxserve.step_plan import Geometry, StepPlan, StepResult, WorkerInit, Worke
 from jaxserve.worker import device_state as ds
 from jaxserve.worker import model_runner as mr
 from jaxserve.worker.compile_manager import (RecompileGuard, StepFunction, compile_all,
+                                             BackgroundCompile,
                                              configure_persistent_cache, program_store)
-from jaxserve.worker.executables import (LadderShapes, ladder_executables, lower_body,
-                                         lower_sampler, sampler_name, variant_name)
+from jaxserve.worker.executables import (LadderShapes, body_executable, ladder_executables,
+                                         lower_body,
+                                         lower_sampler, sampler_name, split_for_startup,
+                                         variant_name)
 from jaxserve.worker.inputs import StepLayout, pack, query_input_ids
 from jaxserve.worker.kv_sizing import device_memory, num_kv_blocks, peak_activation_bytes
 from jaxserve.worker.rows import RowState
-from jaxserve.worker.sampler import SamplerOutput
+from jaxserve.worker.sampler import SAMPLER_VARIANTS, SamplerOutput, SamplerVariant
 
 logger = logging.getLogger(__name__)
+
+# The largest body at a 2-block KV cache, compiled only to size the cache.
+_SIZING_BODY = "kv sizing: largest body"
 
 
 class DeviceClock:
@@ -165,6 +171,7 @@ class InProcessWorker:
         self.compile_report = None
         self.functions: dict[str, StepFunction] = {}  # name → compiled at start-up
         self.guard = RecompileGuard()
+        self.background_compile: BackgroundCompile | None = None  # middle sampler variants
         self._clock = DeviceClock()
         self.ready = False
 
@@ -219,12 +226,31 @@ class InProcessWorker:
                                          hidden, self.backend, self.placement)
         devices = (jax.devices()[:1] if self.mesh is None else  # this process's: multi-host
                    [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()])
+        memory = device_memory(devices)
+        sizing_kv = self._kv_spec(2, dtype)
+        store = program_store(init.compilation_cache_dir) if init.precompile else None
+        first = None
+        if init.precompile:
+            # Before the KV cache is sized: the executables that do not take it
+            # (samplers, row writes) and, for automatic sizing, the largest body at
+            # a 2-block cache — compiled together, in parallel; the sizing reads
+            # the largest sampler from the ladder's own executable.
+            now, later = split_for_startup(ladder_executables(
+                shapes(sizing_kv), init.token_buckets, init.request_buckets))
+            automatic = (init.num_kv_blocks is None and init.kv_cache_bytes is None
+                         and memory is not None)
+            sizing = [dataclasses.replace(
+                body_executable(shapes(sizing_kv), max(init.token_buckets)), kind="sizing",
+                name=_SIZING_BODY)] if automatic else []
+            first = compile_all([e for e in now if e.kind != "body"] + sizing,
+                                progress=self._progress, store=store,
+                                desc="compiling samplers and row writes")
         num_blocks = num_kv_blocks(
             num_blocks=init.num_kv_blocks, kv_cache_bytes=init.kv_cache_bytes,
             bytes_per_block=kv_cache_bytes_per_block(config, init.block_size, dtype)
             // init.tensor_parallel_size,  # one device's share: K / TP heads
-            memory=device_memory(devices), utilization=init.memory_utilization,
-            activation_bytes=lambda: self._activation_bytes(shapes(self._kv_spec(2, dtype))))
+            memory=memory, utilization=init.memory_utilization,
+            activation_bytes=lambda: self._activation_bytes(shapes(sizing_kv), first))
         if jax.process_count() > 1:  # every host of a multi-host mesh allocates the same cache
             num_blocks = int(multihost_utils.process_allgather(np.int64(num_blocks)).min())
         if num_blocks < 2:
@@ -236,12 +262,20 @@ class InProcessWorker:
         self.request_buckets = tuple(sorted(init.request_buckets))
         self.guard = RecompileGuard(strict=init.strict_recompile)
         if init.precompile:
-            self.compile_report = compile_all(
-                ladder_executables(shapes(self.kv_cache), init.token_buckets,
-                                   init.request_buckets), progress=self._progress,
-                store=program_store(init.compilation_cache_dir))
-            self.functions = self.compile_report.functions
+            bodies = [e for e in ladder_executables(shapes(self.kv_cache), init.token_buckets,
+                                                    init.request_buckets) if e.kind == "body"]
+            second = compile_all(bodies, progress=self._progress,
+                                 store=None if first.store_off_reason else store,
+                                 desc="compiling model bodies")
+            self.compile_report = first.combined(second)
+            self.functions = {name: f for name, f in self.compile_report.functions.items()
+                              if name != _SIZING_BODY}
             self.guard.arm()
+            # The middle sampler variants: until one is ready, its steps run the
+            # cheapest ready variant that covers it (``_ready_variant``).
+            self.background_compile = BackgroundCompile(
+                later, self.functions,
+                None if self.compile_report.store_off_reason else store)
         self.geometry = Geometry(num_kv_blocks=int(num_blocks), block_size=init.block_size,
                                  max_model_len=max_model_len, vocab_size=config.vocab_size,
                                  eos_token_ids=tuple(config.eos_token_ids))
@@ -255,14 +289,25 @@ class InProcessWorker:
         return kv_cache_shapes(self.model_config, num_blocks, self.init.block_size, dtype,
                                stacked=self.init.scan_layers, mesh=self.mesh)
 
-    def _activation_bytes(self, shapes: LadderShapes) -> int:
-        """Peak temporaries of the largest-T body and largest-R sampler (compiled for it)."""
+    def _activation_bytes(self, shapes: LadderShapes, compiled) -> int:
+        """Peak temporaries of the largest-T body and the largest-R FULL sampler.
+
+        ``compiled``: the start-up's first ``CompileReport`` (it holds both);
+        None (``precompile`` off): both compiled here.
+        """
         init = self.init
-        return peak_activation_bytes([lower_body(shapes, max(init.token_buckets)).compile(),
-                                      lower_sampler(shapes, max(init.request_buckets)).compile()])
+        if compiled is None:
+            return peak_activation_bytes([
+                lower_body(shapes, max(init.token_buckets)).compile(),
+                lower_sampler(shapes, max(init.request_buckets)).compile()])
+        sampler = sampler_name(max(init.request_buckets), SAMPLER_VARIANTS[-1])
+        return peak_activation_bytes([compiled.functions[_SIZING_BODY].compiled,
+                                      compiled.functions[sampler].compiled])
 
     def shutdown(self) -> None:
         self.ready = False
+        if self.background_compile is not None:
+            self.background_compile.stop()
         self.kv_cache = self.device_rows = self.last_token = self.penalty = None
 
     def num_compiled(self) -> dict[str, int]:
@@ -345,7 +390,7 @@ class InProcessWorker:
         if not r:
             return PendingStep(plan.step_id, 0, None, False, slots.rows, dispatched,
                                dispatched - start, self._clock, self._count)
-        variant = rows.sampler_variant(sample_rows)
+        variant = self._ready_variant(r, rows.sampler_variant(sample_rows))
         rows.count_sampled(sample_rows)
         penalty = self.penalty if variant.processing else ds.PenaltyState(None, None)
         out, self.last_token, counts = self._call(
@@ -361,6 +406,18 @@ class InProcessWorker:
             leaf.copy_to_host_async()
         return PendingStep(plan.step_id, len(sample_rows), out, logprobs, out.token_ids,
                            dispatched, dispatched - start, self._clock, self._count)
+
+    def _ready_variant(self, r: int, needed: SamplerVariant) -> SamplerVariant:
+        """The cheapest compiled sampler variant at R = ``r`` that covers ``needed``.
+
+        ``needed`` itself once compiled; before that (a variant compiled in the
+        background) a wider one, FULL at worst, whose tokens are the same.
+        With ``precompile`` off, ``needed`` (compiled on first use).
+        """
+        if not self.init.precompile:
+            return needed
+        return next(v for v in SAMPLER_VARIANTS
+                    if v.covers(needed) and sampler_name(r, v) in self.functions)
 
     def _sync_rows(self, rows: np.ndarray) -> None:
         """One staged write of whole rows (host mirror → device), padded to an R bucket."""

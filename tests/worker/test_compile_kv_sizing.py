@@ -69,14 +69,15 @@ def tiny(tmp_path_factory):
     return load_model(directory, "float32")
 
 
-def test_worker_sizes_its_cache_from_reported_device_memory(tiny, monkeypatch):
+@pytest.mark.parametrize("precompile", [False, True])
+def test_worker_sizes_its_cache_from_reported_device_memory(tiny, monkeypatch, precompile):
     config = tiny[0]
     memory = DeviceMemory(bytes_limit=256 * MiB, bytes_in_use=40 * MiB)
     monkeypatch.setattr(in_process, "device_memory", lambda device: memory)
     init = WorkerInit(model=None, dtype="float32", block_size=8, num_kv_blocks=None,
                       kv_cache_bytes=None, max_num_seqs=4, max_model_len=128,
                       token_buckets=(1, 8, 32), request_buckets=(1, 4), memory_utilization=0.5,
-                      precompile=False)
+                      precompile=precompile)
     worker = InProcessWorker(tiny, progress=False)
     geometry = worker.initialize(init)
     per_block = 2 * config.num_layers * config.num_kv_heads * 8 * config.head_dim * 4
@@ -90,3 +91,7 @@ def test_worker_sizes_its_cache_from_reported_device_memory(tiny, monkeypatch):
     want = (int(256 * MiB * 0.5) - 40 * MiB - activations) // per_block
     assert geometry.num_kv_blocks == want
     assert worker.kv_cache.num_blocks == want
+    if precompile:  # the sizing body is the one extra compile; the ladder's sampler is reused
+        report = worker.compile_report
+        assert report.by_kind == {"sizing": 1, "body": 3, "sampler": 2 * 2, "rows": 2 + 1}
+        assert report.num_backend_compiles == report.num_executables
