@@ -40,6 +40,7 @@ from collections.abc import Sequence
 import grpc
 
 from jaxserve import plan_codec
+from jaxserve.procutil import restore_worker_env
 from jaxserve.proto import worker_pb2 as wpb
 from jaxserve.proto import worker_pb2_grpc as wpb_grpc
 from jaxserve.step_plan import (Geometry, StepPlan, StepResult, WorkerDiedError, WorkerInit,
@@ -292,8 +293,9 @@ def spawn_worker_process(address: str = "127.0.0.1:0", *, compilation_cache_dir:
            "--exit-with-parent", "--log-level", log_level, *extra_args]
     if compilation_cache_dir:
         cmd += ["--compilation-cache-dir", compilation_cache_dir]
+    # The GPUs the launcher gave the first worker (this process itself sees none).
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True,
-                            env=dict(os.environ, **(env or {})))
+                            env=restore_worker_env(dict(os.environ, **(env or {}))))
 
 
 def attach_worker_process(proc: subprocess.Popen, start_timeout: float = 120.0,

@@ -267,6 +267,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-bytes", type=int, default=None,
                         help="KV cache budget in bytes when --num-kv-blocks is not given "
                              "(default: the engine's)")
+    parser.add_argument("--gpu-memory-utilization", type=_unit_fraction, default=0.9,
+                        help="fraction of each GPU's total memory the worker may use: weights, "
+                             "activations and the KV cache, which gets the rest (default 0.9, "
+                             "as vLLM's; the worker's XLA_PYTHON_CLIENT_MEM_FRACTION)")
     parser.add_argument("--no-prefix-caching", action="store_true",
                         help="turn prefix caching off")
     parser.add_argument("--no-chunked-prefill", action="store_true",
@@ -322,6 +326,13 @@ def bucket_ladder(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"not comma-separated integers: {text!r}") from None
 
 
+def _unit_fraction(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
 def _positive_float(text: str) -> float:
     value = float(text)
     if not value > 0:
@@ -333,7 +344,8 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
     """The engine flags of parsed ``add_engine_arguments`` values, except ``--model``."""
     flags = ["--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs),
              "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-             "--block-size", str(args.block_size), "--seed", str(args.seed)]
+             "--block-size", str(args.block_size), "--seed", str(args.seed),
+             "--gpu-memory-utilization", repr(args.gpu_memory_utilization)]
     if args.token_buckets:
         flags += ["--token-buckets", ",".join(map(str, args.token_buckets))]
     if args.kv_cache_bytes is not None:
@@ -366,6 +378,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                                   token_buckets=args.token_buckets),
         cache=CacheConfig(block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                           enable_prefix_caching=not args.no_prefix_caching,
+                          memory_utilization=args.gpu_memory_utilization,
                           **({} if args.kv_cache_bytes is None
                              else {"kv_cache_bytes": args.kv_cache_bytes})),
         seed=args.seed, async_scheduling=args.async_scheduling, scan_layers=args.scan_layers,

@@ -224,6 +224,7 @@ class InProcessWorker:
             bytes_per_block=kv_cache_bytes_per_block(config, init.block_size, dtype)
             // init.tensor_parallel_size,  # one device's share: K / TP heads
             memory=device_memory(devices), utilization=init.memory_utilization,
+            platform=devices[0].platform,
             activation_bytes=lambda: self._activation_bytes(shapes(self._kv_spec(2, dtype))))
         if jax.process_count() > 1:  # every host of a multi-host mesh allocates the same cache
             num_blocks = int(multihost_utils.process_allgather(np.int64(num_blocks)).min())
