@@ -53,7 +53,7 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from jaxserve.engine.config import SERVED_DTYPES, CacheConfig, EngineConfig, SchedulerConfig
+from jaxserve.engine.config import AUTO_DTYPE, SERVED_DTYPES, CacheConfig, EngineConfig, SchedulerConfig
 from jaxserve.engine.core import EngineCore
 from jaxserve.engine.grpc_worker import GrpcWorker, start_worker_process
 from jaxserve.engine.loop import EngineDeadError, EngineLoop, OutputBatch
@@ -249,8 +249,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """The engine's flags (also taken by ``jaxserve serve``, which passes them on)."""
     parser.add_argument("--model", default=None,
                         help="Hugging Face model directory (default: the demo model)")
-    parser.add_argument("--dtype", default="float32", choices=SERVED_DTYPES,
-                        help="model dtype: float32 (default) or bfloat16 (float16 is refused)")
+    parser.add_argument("--dtype", default=AUTO_DTYPE, choices=(AUTO_DTYPE, *SERVED_DTYPES),
+                        help="model dtype: auto (default: float32 on a CPU, bfloat16 on a GPU), "
+                             "float32 or bfloat16 (float16 is refused)")
     parser.add_argument("--max-num-seqs", type=int, default=64,
                         help="most sequences running at once (default 64)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512,

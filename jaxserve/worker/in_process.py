@@ -62,7 +62,7 @@ from jaxserve.model import sharding
 from jaxserve.model.attention import check_backend, default_backend
 from jaxserve.model.kv_cache import (KVCache, init_kv_cache, kv_cache_bytes_per_block,
                                       kv_cache_shapes)
-from jaxserve.model.loader import is_scanned, load_model, resolve_dtype
+from jaxserve.model.loader import is_scanned, load_model, resolve_dtype, served_dtype
 from jaxserve.step_plan import Geometry, StepPlan, StepResult, WorkerInit, WorkerStatus
 from jaxserve.worker import device_state as ds
 from jaxserve.worker import model_runner as mr
@@ -177,6 +177,7 @@ class InProcessWorker:
             limits (T above the token budget is fine; R above max_num_seqs not).
         """
         start = time.perf_counter()
+        init = dataclasses.replace(init, dtype=served_dtype(init.dtype, jax.default_backend()))
         if max(init.request_buckets) > init.max_num_seqs:
             raise ValueError(f"request_buckets {init.request_buckets} exceed max_num_seqs "
                              f"{init.max_num_seqs}")
