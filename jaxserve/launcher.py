@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import logging
 import os
 import signal
@@ -59,7 +60,8 @@ import sys
 import threading
 import time
 
-from jaxserve.procutil import SHUTDOWN_GRACE_ENV, die_with_parent, free_port, quiet_library_notices
+from jaxserve.procutil import (DEVICE_ENV_VARS, MEM_FRACTION_ENV, SHUTDOWN_GRACE_ENV, WORKER_ENV,
+                               die_with_parent, free_port, quiet_library_notices)
 
 logger = logging.getLogger(__name__)
 
@@ -108,14 +110,29 @@ class ServeOptions:
             raise ValueError("num_worker_hosts > 1 needs worker processes, not in_process_worker")
 
 
+def _flag_value(engine_flags: tuple[str, ...], names: tuple[str, ...]) -> str | None:
+    """The value of the first of ``names`` among the engine flags (``--x v`` or ``--x=v``)."""
+    for i, flag in enumerate(engine_flags):
+        if flag in names and i + 1 < len(engine_flags):
+            return engine_flags[i + 1]
+        name, _, value = flag.partition("=")
+        if value and name in names:
+            return value
+    return None
+
+
 def _tensor_parallel_size(engine_flags: tuple[str, ...]) -> int:
     """The ``--tensor-parallel-size`` / ``-tp`` among the engine flags (1 when absent)."""
-    for i, flag in enumerate(engine_flags):
-        if flag in ("--tensor-parallel-size", "-tp") and i + 1 < len(engine_flags):
-            return int(engine_flags[i + 1])
-        if flag.startswith("--tensor-parallel-size="):
-            return int(flag.split("=", 1)[1])
-    return 1
+    value = _flag_value(engine_flags, ("--tensor-parallel-size", "-tp"))
+    return 1 if value is None else int(value)
+
+
+def _memory_utilization(engine_flags: tuple[str, ...]) -> float:
+    """The ``--gpu-memory-utilization`` among the engine flags (the engine's default if absent)."""
+    from jaxserve.engine.config import CacheConfig
+
+    value = _flag_value(engine_flags, ("--gpu-memory-utilization",))
+    return CacheConfig().memory_utilization if value is None else float(value)
 
 
 def device_env(env: dict[str, str], process: int, devices_per_process: int) -> dict[str, str]:
@@ -131,6 +148,34 @@ def device_env(env: dict[str, str], process: int, devices_per_process: int) -> d
            else [str(i) for i in range((process + 1) * devices_per_process)])
     mine = ids[process * devices_per_process:(process + 1) * devices_per_process]
     return {**env, "CUDA_VISIBLE_DEVICES": ",".join(mine)}
+
+
+def worker_env(env: dict[str, str], process: int, devices_per_process: int,
+               memory_utilization: float) -> dict[str, str]:
+    """The environment of this host's ``process``-th worker process: its GPUs, its memory.
+
+    ``device_env``'s ``CUDA_VISIBLE_DEVICES`` (exactly its tensor-parallel
+    devices, never every GPU of the machine) and ``XLA_PYTHON_CLIENT_MEM_FRACTION``
+    = ``memory_utilization`` (unless already set), so JAX's pool is the share of
+    each GPU's total memory vLLM's ``--gpu-memory-utilization`` means, not JAX's
+    default 75 % (the KV cache is sized inside it: ``jaxserve.worker.kv_sizing``).
+    """
+    out = device_env(env, process, devices_per_process)
+    out.setdefault(MEM_FRACTION_ENV, f"{memory_utilization:g}")
+    return out
+
+
+def host_only_env(env: dict[str, str], worker: dict[str, str]) -> dict[str, str]:
+    """The environment of a process that never touches a GPU (api; engine with a worker process).
+
+    No GPU is visible (``CUDA_VISIBLE_DEVICES=""``), JAX would run on the CPU
+    and would not preallocate, so nothing it imports can take device memory.
+    ``worker``'s device variables travel in ``WORKER_ENV`` (JSON; null = unset):
+    the engine starts a replacement worker with them (``jaxserve.procutil.restore_worker_env``).
+    """
+    saved = {k: worker.get(k) for k in DEVICE_ENV_VARS}
+    return {**env, "CUDA_VISIBLE_DEVICES": "", "JAX_PLATFORMS": "cpu",
+            "XLA_PYTHON_CLIENT_PREALLOCATE": "false", WORKER_ENV: json.dumps(saved)}
 
 
 def _env() -> dict[str, str]:
@@ -196,10 +241,12 @@ class Launcher:
         env[SHUTDOWN_GRACE_ENV] = str(opts.shutdown_grace + _STOP_TIMEOUT_S)
         size, hosts = opts.data_parallel_size, opts.num_worker_hosts
         ports = _distinct_free_ports(size * (2 if hosts > 1 else 1))
-        # With several worker processes on this host, each gets its own GPUs.
+        # Each worker process gets exactly its GPUs and its share of their memory; the api
+        # and an engine with a worker process see no GPU (they never import jax).
         per_process = max(1, _tensor_parallel_size(opts.engine_flags) // hosts)
-        replica_env = [env] * size if size * hosts == 1 else [
-            device_env(env, r * hosts, per_process) for r in range(size)]
+        utilization = _memory_utilization(opts.engine_flags)
+        worker_envs = [[worker_env(env, r * hosts + h, per_process, utilization)
+                        for h in range(hosts)] for r in range(size)]
         workers = []  # [replica][host rank]
         if not opts.in_process_worker:  # all replicas (and hosts) load and compile at once
             for r in range(size):
@@ -211,8 +258,7 @@ class Launcher:
                     sys.executable, "-m", "jaxserve.worker.server", "--address", "127.0.0.1:0",
                     "--exit-with-parent", "--log-level", opts.log_level, *group,
                     *(["--host-rank", str(h)] if group else [])],
-                    env if size * hosts == 1 else device_env(env, r * hosts + h, per_process),
-                    stdout=subprocess.PIPE) for h in range(hosts)])
+                    worker_envs[r][h], stdout=subprocess.PIPE) for h in range(hosts)])
         self.engine_addresses = [f"127.0.0.1:{port}" for port in ports[:size]]
         api_cmd = [sys.executable, "-m", "jaxserve.api.server"]
         for engine_address in self.engine_addresses:
@@ -228,7 +274,7 @@ class Launcher:
             api_cmd += ["--served-model-name", opts.served_model_name or "SmolLM2-135M-Instruct"]
         if opts.ssl_certfile:
             api_cmd += ["--ssl-certfile", opts.ssl_certfile, "--ssl-keyfile", opts.ssl_keyfile]
-        api_env = dict(env)
+        api_env = host_only_env(env, {})
         if opts.api_key:
             api_env[API_KEY_ENV] = opts.api_key
         # the api loads its tokenizer while the worker starts
@@ -247,8 +293,11 @@ class Launcher:
                     if rank == 0:
                         self.worker_addresses.append(address)
                     engine_cmd += ["--worker-address", address, "--worker-pid", str(proc.pid)]
-            # (the engine starts a replacement worker in its own environment)
-            self._spawn(self.replica_name("engine", r), engine_cmd, replica_env[r])
+            # An in-process worker runs in the engine; else the engine sees no GPU and keeps
+            # the worker's device variables for a replacement worker it starts.
+            engine_env = (worker_envs[r][0] if not workers
+                          else host_only_env(env, worker_envs[r][0]))
+            self._spawn(self.replica_name("engine", r), engine_cmd, engine_env)
 
     def replica_name(self, kind: str, replica: int) -> str:
         """The ``processes`` key of replica ``replica``'s ``kind`` ("engine" or "worker")."""

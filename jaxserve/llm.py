@@ -60,7 +60,8 @@ class LLM:
       model: a Hugging Face model directory; None = the demo model
         (SmolLM2-135M-Instruct, built on first use).
       tokenizer: a tokenizer directory; None = the model's.
-      dtype: "float32" (CPU default) or "bfloat16".
+      dtype: "auto" (default, as vLLM's: float32 on a CPU, bfloat16 on a GPU or
+        TPU), "float32" or "bfloat16".
       max_model_len: longest sequence in tokens; None = the model's maximum.
       max_num_seqs: most sequences running at once.
       max_num_batched_tokens: the token budget of one step.
@@ -106,7 +107,7 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, *, tokenizer: str | None = None,
-                 dtype: str = "float32", max_model_len: int | None = None,
+                 dtype: str = "auto", max_model_len: int | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512, block_size: int = 16,
                  num_kv_blocks: int | None = None, kv_cache_bytes: int | None = None,
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,

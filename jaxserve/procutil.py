@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 import os
 import signal
@@ -137,3 +138,30 @@ def shutdown_grace() -> float:
         return max(0.0, float(os.environ.get(SHUTDOWN_GRACE_ENV, "0")))
     except ValueError:
         return 0.0
+
+
+# The worker's device variables, saved by the launcher in the environment of a
+# process that sees no GPU (jaxserve.launcher.host_only_env) for the workers it starts.
+WORKER_ENV = "JAXSERVE_WORKER_ENV"
+MEM_FRACTION_ENV = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+DEVICE_ENV_VARS = ("CUDA_VISIBLE_DEVICES", "JAX_PLATFORMS", "XLA_PYTHON_CLIENT_PREALLOCATE",
+                   MEM_FRACTION_ENV)
+
+
+def restore_worker_env(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with the worker's device variables put back from ``WORKER_ENV`` (JSON; null = unset).
+
+    A process started without GPUs (the engine) starts its worker processes
+    with this, so a replacement worker gets the GPUs the first one had.
+    Returns ``env`` itself when it holds no ``WORKER_ENV``.
+    """
+    saved = env.get(WORKER_ENV)
+    if saved is None:
+        return env
+    out = {k: v for k, v in env.items() if k != WORKER_ENV}
+    for key, value in json.loads(saved).items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = value
+    return out

@@ -131,3 +131,36 @@ def test_llm_generate_raises_instead_of_hanging(tiny_dir, demo_model_dir):
     with pytest.raises(WorkerDiedError):
         llm.generate([[1, 2, 3]], LONG, use_tqdm=False)
     llm.shutdown()
+
+
+@pytest.mark.parametrize("handle", ["process", "pid"])
+def test_kill_returns_once_the_worker_process_has_exited(handle):
+    """A replacement must not start while the killed worker still holds its (GPU) memory.
+
+    A stand-in process whose command line names ``jaxserve.worker.server``
+    holds 400 MB of written memory, so its exit takes a moment after SIGKILL;
+    ``GrpcWorker.kill`` returns only when it is gone (reaped, or a zombie that
+    freed its memory).
+    """
+    import subprocess
+    import sys
+
+    from jaxserve.engine.grpc_worker import GrpcWorker, _runs_worker
+
+    proc = subprocess.Popen([sys.executable, "-c", "import sys, time; x = b'x' * (400 << 20); "
+                             "print('ready', flush=True); time.sleep(600)",
+                             "jaxserve.worker.server"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        worker = (GrpcWorker("127.0.0.1:1", process=proc) if handle == "process"
+                  else GrpcWorker("127.0.0.1:1", pid=proc.pid))
+        worker.kill("the test is over")
+        if handle == "process":
+            assert proc.returncode == -signal.SIGKILL
+        else:
+            assert not _runs_worker(proc.pid)  # gone or a zombie: its memory is released
+        with pytest.raises(WorkerDiedError, match="the test is over"):
+            worker.status()
+    finally:
+        proc.kill()
+        proc.wait()

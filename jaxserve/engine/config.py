@@ -17,6 +17,9 @@ from jaxserve.step_plan import Geometry, WorkerInit
 # the Pallas GPU kernel (pallas_kernels/tuning.py takes float32 and bfloat16).
 # float16 is refused at start-up rather than failing inside the kernel.
 SERVED_DTYPES = ("float32", "bfloat16")
+# dtype "auto" (the default, as vLLM's): the worker picks float32 on a CPU and bfloat16 on
+# a GPU or TPU (jaxserve.model.loader.served_dtype).
+AUTO_DTYPE = "auto"
 
 # Bottom of the T ladder on the CPU (measured on the demo model, float32,
 # docs/engine.md): with XLA's products T=2 cost as much as T=4; with the C++
@@ -153,7 +156,8 @@ class EngineConfig:
 
     Attributes:
       model: Hugging Face model directory, or None for the demo model.
-      dtype: "float32" (CPU default) or "bfloat16" (``SERVED_DTYPES``).
+      dtype: "float32", "bfloat16" (``SERVED_DTYPES``) or "auto" (default): the
+        worker's choice, float32 on a CPU, bfloat16 on a GPU or TPU.
       max_model_len: longest sequence in tokens; None = the model's maximum.
       scheduler, cache: see their classes.
       attention_backend: None = the worker's platform default.
@@ -170,7 +174,7 @@ class EngineConfig:
     """
 
     model: str | None = None
-    dtype: str = "float32"
+    dtype: str = AUTO_DTYPE
     max_model_len: int | None = None
     scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
     cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
@@ -189,8 +193,8 @@ class EngineConfig:
                              f"{self.tensor_parallel_size}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
-        if self.dtype not in SERVED_DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(SERVED_DTYPES)}, got "
+        if self.dtype not in (*SERVED_DTYPES, AUTO_DTYPE):
+            raise ValueError(f"dtype must be one of {', '.join(SERVED_DTYPES)} or auto, got "
                              f"{self.dtype!r} (float16 is not served: the GPU attention "
                              f"kernel takes float32 and bfloat16 only)")
 

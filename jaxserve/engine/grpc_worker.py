@@ -35,11 +35,13 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Sequence
 
 import grpc
 
 from jaxserve import plan_codec
+from jaxserve.procutil import restore_worker_env
 from jaxserve.proto import worker_pb2 as wpb
 from jaxserve.proto import worker_pb2_grpc as wpb_grpc
 from jaxserve.step_plan import (Geometry, StepPlan, StepResult, WorkerDiedError, WorkerInit,
@@ -47,6 +49,9 @@ from jaxserve.step_plan import (Geometry, StepPlan, StepResult, WorkerDiedError,
 
 logger = logging.getLogger(__name__)
 
+# Seconds kill() waits for a killed worker to exit: a replacement started before then
+# finds the old one's GPU memory still held.
+KILL_EXIT_TIMEOUT_S = 30.0
 MAX_MESSAGE_BYTES = 512 << 20  # mirrors jaxserve.worker.server (which imports jax)
 LISTENING_PREFIX = "JAXSERVE_WORKER_LISTENING"  # mirrors jaxserve.worker.server
 KEEPALIVE_S = 10.0
@@ -183,21 +188,36 @@ class GrpcWorker:
                 self.process.kill()
                 self.process.wait()
 
-    def kill(self, why: str = "killed by the engine") -> None:
-        """SIGKILLs the worker process (a hung one holds the device) and marks it dead.
+    def kill(self, why: str = "killed by the engine", exit_timeout: float = KILL_EXIT_TIMEOUT_S
+             ) -> None:
+        """SIGKILLs the worker process (a hung one holds the device), waits for it, marks it dead.
 
         Needs ``process`` or ``pid``; without them only marks it dead. A
         ``pid`` is killed only while it still runs ``jaxserve.worker.server``
-        (it may have exited and its id been reused). Never raises.
+        (it may have exited and its id been reused). Returns once the process
+        has exited — its GPU memory is free for a replacement — or after
+        ``exit_timeout`` seconds (logged). Never raises.
         """
         if self.process is not None:
             if self.process.poll() is None:
                 self.process.kill()
+            try:
+                self.process.wait(exit_timeout)
+            except subprocess.TimeoutExpired:
+                logger.warning("worker process %d still exiting after %.0f s", self.pid,
+                               exit_timeout)
         elif self.pid is not None and _runs_worker(self.pid):
             try:
                 os.kill(self.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+            deadline = time.monotonic() + exit_timeout
+            while _runs_worker(self.pid):  # a zombie has freed its memory and has no cmdline
+                if time.monotonic() > deadline:
+                    logger.warning("worker process %d still exiting after %.0f s", self.pid,
+                                   exit_timeout)
+                    break
+                time.sleep(0.05)
         if self._dead is None:
             self._died(why)
 
@@ -292,8 +312,9 @@ def spawn_worker_process(address: str = "127.0.0.1:0", *, compilation_cache_dir:
            "--exit-with-parent", "--log-level", log_level, *extra_args]
     if compilation_cache_dir:
         cmd += ["--compilation-cache-dir", compilation_cache_dir]
+    # The GPUs the launcher gave the first worker (this process itself sees none).
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True,
-                            env=dict(os.environ, **(env or {})))
+                            env=restore_worker_env(dict(os.environ, **(env or {}))))
 
 
 def attach_worker_process(proc: subprocess.Popen, start_timeout: float = 120.0,

@@ -53,7 +53,7 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from jaxserve.engine.config import SERVED_DTYPES, CacheConfig, EngineConfig, SchedulerConfig
+from jaxserve.engine.config import AUTO_DTYPE, SERVED_DTYPES, CacheConfig, EngineConfig, SchedulerConfig
 from jaxserve.engine.core import EngineCore
 from jaxserve.engine.grpc_worker import GrpcWorker, start_worker_process
 from jaxserve.engine.loop import EngineDeadError, EngineLoop, OutputBatch
@@ -252,8 +252,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """The engine's flags (also taken by ``jaxserve serve``, which passes them on)."""
     parser.add_argument("--model", default=None,
                         help="Hugging Face model directory (default: the demo model)")
-    parser.add_argument("--dtype", default="float32", choices=SERVED_DTYPES,
-                        help="model dtype: float32 (default) or bfloat16 (float16 is refused)")
+    parser.add_argument("--dtype", default=AUTO_DTYPE, choices=(AUTO_DTYPE, *SERVED_DTYPES),
+                        help="model dtype: auto (default: float32 on a CPU, bfloat16 on a GPU), "
+                             "float32 or bfloat16 (float16 is refused)")
     parser.add_argument("--max-num-seqs", type=int, default=64,
                         help="most sequences running at once (default 64)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512,
@@ -270,6 +271,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-bytes", type=int, default=None,
                         help="KV cache budget in bytes when --num-kv-blocks is not given "
                              "(default: the engine's)")
+    parser.add_argument("--gpu-memory-utilization", type=_unit_fraction, default=0.9,
+                        help="fraction of each GPU's total memory the worker may use: weights, "
+                             "activations and the KV cache, which gets the rest (default 0.9, "
+                             "as vLLM's; the worker's XLA_PYTHON_CLIENT_MEM_FRACTION)")
     parser.add_argument("--no-prefix-caching", action="store_true",
                         help="turn prefix caching off")
     parser.add_argument("--no-chunked-prefill", action="store_true",
@@ -325,6 +330,13 @@ def bucket_ladder(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"not comma-separated integers: {text!r}") from None
 
 
+def _unit_fraction(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
 def _positive_float(text: str) -> float:
     value = float(text)
     if not value > 0:
@@ -336,7 +348,8 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
     """The engine flags of parsed ``add_engine_arguments`` values, except ``--model``."""
     flags = ["--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs),
              "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-             "--block-size", str(args.block_size), "--seed", str(args.seed)]
+             "--block-size", str(args.block_size), "--seed", str(args.seed),
+             "--gpu-memory-utilization", repr(args.gpu_memory_utilization)]
     if args.token_buckets:
         flags += ["--token-buckets", ",".join(map(str, args.token_buckets))]
     if args.kv_cache_bytes is not None:
@@ -369,6 +382,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                                   token_buckets=args.token_buckets),
         cache=CacheConfig(block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                           enable_prefix_caching=not args.no_prefix_caching,
+                          memory_utilization=args.gpu_memory_utilization,
                           **({} if args.kv_cache_bytes is None
                              else {"kv_cache_bytes": args.kv_cache_bytes})),
         seed=args.seed, async_scheduling=args.async_scheduling, scan_layers=args.scan_layers,

@@ -47,6 +47,20 @@ LOAD_FORMATS = ("auto", "safetensors", "orbax")
 _NOT_COPIED = ("*.safetensors", "model.safetensors.index.json")
 
 
+def served_dtype(dtype: str, platform: str) -> str:
+    """The dtype name a worker on ``platform`` ("cpu", "gpu", "tpu") serves for ``dtype``.
+
+    "auto" (vLLM's default) is float32 on a CPU (bfloat16 measured several
+    times slower there) and bfloat16 on a GPU or TPU: vLLM's auto keeps a
+    bfloat16 checkpoint's dtype and halves a float32 one, and float16 is not
+    served (the Pallas kernel takes float32 and bfloat16), so every
+    checkpoint is served in bfloat16. Any other name is returned as given.
+    """
+    if dtype != "auto":
+        return dtype
+    return "float32" if platform == "cpu" else "bfloat16"
+
+
 def resolve_dtype(dtype: str | jnp.dtype) -> jnp.dtype:
     """'float32' / 'bfloat16' / 'float16' or a jnp dtype → jnp dtype.
 

@@ -62,7 +62,7 @@ from jaxserve.model import sharding
 from jaxserve.model.attention import check_backend, default_backend
 from jaxserve.model.kv_cache import (KVCache, init_kv_cache, kv_cache_bytes_per_block,
                                       kv_cache_shapes)
-from jaxserve.model.loader import is_scanned, load_model, resolve_dtype
+from jaxserve.model.loader import is_scanned, load_model, resolve_dtype, served_dtype
 from jaxserve.step_plan import Geometry, StepPlan, StepResult, WorkerInit, WorkerStatus
 from jaxserve.worker import device_state as ds
 from jaxserve.worker import model_runner as mr
@@ -184,6 +184,7 @@ class InProcessWorker:
             limits (T above the token budget is fine; R above max_num_seqs not).
         """
         start = time.perf_counter()
+        init = dataclasses.replace(init, dtype=served_dtype(init.dtype, jax.default_backend()))
         if max(init.request_buckets) > init.max_num_seqs:
             raise ValueError(f"request_buckets {init.request_buckets} exceed max_num_seqs "
                              f"{init.max_num_seqs}")
@@ -250,6 +251,7 @@ class InProcessWorker:
             bytes_per_block=kv_cache_bytes_per_block(config, init.block_size, dtype)
             // init.tensor_parallel_size,  # one device's share: K / TP heads
             memory=memory, utilization=init.memory_utilization,
+            platform=devices[0].platform,
             activation_bytes=lambda: self._activation_bytes(shapes(sizing_kv), first))
         if jax.process_count() > 1:  # every host of a multi-host mesh allocates the same cache
             num_blocks = int(multihost_utils.process_allgather(np.int64(num_blocks)).min())

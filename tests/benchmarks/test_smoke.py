@@ -141,21 +141,35 @@ def test_llama8b_decode_narrowed(tmp_path):
     assert out["recompiles"] == 0  # initialize compiled every executable the steps ran
 
 
-def test_gpu_measure_script_writes_one_json(tmp_path):
-    """scripts/gpu_measure.sh on the CPU: kernel (interpret mode) and served step in one JSON.
+def test_gpu_measure_script_writes_one_json(tmp_path, demo_model_dir):
+    """scripts/gpu_measure.sh on the CPU, every section, tiny sizes, in one JSON.
 
-    The decode is narrowed (1 layer, widths / 8, reference attention, batch 1);
-    the kernel section runs the benchmark's CPU cases. Structure and counts only.
+    Kernel (interpret mode, the benchmark's CPU cases); decode narrowed (1
+    layer, widths / 8, reference attention, batch 1); a 1-layer random model
+    written with the demo tokenizer; LLM offline on 3 requests; the server at
+    concurrency 1 and 2 over gRPC and HTTP. Structure and counts only.
     """
+    model_dir = tmp_path / "model"
     cmd = [str(REPO / "scripts" / "gpu_measure.sh"), str(tmp_path), "--layers", "1",
            "--hidden-scale", "8", "--backend", "reference", "--dtype", "float32",
            "--decode-batch", "1", "--context", "64", "--decode-iters", "3",
-           "--kernel-iters", "1", "--kernel-repeats", "1"]
-    proc = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, PYTHON=sys.executable),
-                          capture_output=True, text=True, timeout=600)
+           "--kernel-iters", "1", "--kernel-repeats", "1",
+           "--tokenizer-dir", str(demo_model_dir), "--model-dir", str(model_dir),
+           "--model-layers", "1", "--model-hidden", "128", "--model-intermediate", "256",
+           "--model-heads", "2", "--model-kv-heads", "1", "--model-vocab", "256",
+           "--max-num-seqs", "2", "--max-num-batched-tokens", "32", "--input-range", "8", "24",
+           "--output-range", "3", "6", "--offline-requests", "3", "--concurrency", "1,2",
+           "--serve-requests", "8", "--peak-gbps", "100",
+           *[a for s in ("kernel", "decode", "model", "offline", "serve")
+             for a in (f"--budget-{s}", "600")]]
+    env = dict(os.environ, PYTHON=sys.executable, JAX_PLATFORMS="cpu",
+               GPU_MEASURE_TIMEOUT="1500")
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-5000:]
     out = json.loads((tmp_path / "gpu.json").read_text())
     assert (tmp_path / "gpu_measure.log").read_text()
+    assert set(out["wall_s"]) == {"kernel", "decode", "model", "offline", "serve"}
+    assert out["gpu"] is None and out["served_dtype"] == "float32"
     from benchmarks.kernels import bench_ragged_paged_attention as kernel_bench
 
     cases = out["kernel"]["cases"]
@@ -168,7 +182,52 @@ def test_gpu_measure_script_writes_one_json(tmp_path):
     assert summary["kernel_pct_of_peak"] == {c["case"]: c["pct_of_peak"] for c in cases}
     assert summary["decode_ratio_to_weight_floor"] == {
         k: s["ratio_to_weight_floor"] for k, s in out["decode"]["steps"].items()}
-    assert set(out["wall_s"]) == {"kernel", "decode"}
+
+    # The model: what PyTorch reads back, the tokenizer copied unchanged.
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    num_params = sum(p.numel() for p in model.parameters())
+    embed = model.get_input_embeddings().weight.numel()
+    assert model.config.num_hidden_layers == 1 and model.config.vocab_size == 256
+    assert out["model"]["num_params"] == num_params
+    assert out["model"]["decode_bytes"] == 4 * (num_params - embed)
+    assert (model_dir / "tokenizer.json").read_bytes() == (
+        demo_model_dir / "tokenizer.json").read_bytes()
+    floor_ms = 1e3 * out["model"]["decode_bytes"] / 100e9
+    assert summary["weight_floor_ms"] == pytest.approx(floor_ms)
+
+    offline = out["offline"]
+    assert offline["jaxserve"]["output_tokens"] == offline["workload"]["output_tokens"]
+    assert offline["workload"]["num_requests"] == 3 and offline["jaxserve"]["compiles"] == 0
+    assert summary["offline"]["output_tokens_per_s"] == offline["jaxserve"]["output_tokens_per_s"]
+
+    assert out["serve"]["ready_seconds"] > 0 and (tmp_path / "serve_server.log").exists()
+    for backend in ("grpc", "openai"):
+        runs = out["serve"][backend]
+        assert set(runs) == {"concurrency=1", "concurrency=2"}, runs
+        for m in runs.values():
+            assert m["failed"] == 0 and m["completed"] == m["num_requests"] == 8
+        one = summary[f"serve_{backend}"]["concurrency=1"]
+        assert one["tpot_p50_over_weight_floor"] == pytest.approx(
+            runs["concurrency=1"]["tpot_ms"]["p50"] / floor_ms)
+
+
+def test_gpu_measure_records_a_section_past_its_budget(tmp_path, demo_model_dir):
+    """A section that runs past its budget is killed and recorded; those needing it are skipped."""
+    cmd = [sys.executable, "-m", "benchmarks.gpu_measure", "--json", str(tmp_path / "gpu.json"),
+           "--skip", "kernel,decode", "--budget-model", "0.01",
+           "--tokenizer-dir", str(demo_model_dir), "--model-dir", str(tmp_path / "model")]
+    proc = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, JAX_PLATFORMS="cpu"),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = json.loads((tmp_path / "gpu.json").read_text())
+    assert "timed out after its 0.01 s budget" in out["model"]["error"]
+    for section in ("offline", "serve"):
+        assert out[section]["error"].startswith("not run: the model section"), out[section]
+    assert "kernel" not in out and "decode" not in out
+    assert set(out["wall_s"]) == {"model", "offline", "serve"}
 
 
 def test_cpu_side_by_side(tiny_model_dir, tmp_path):

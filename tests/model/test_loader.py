@@ -77,3 +77,36 @@ def test_resolve_dtype():
     assert resolve_dtype("bfloat16") == jnp.bfloat16
     with pytest.raises(ValueError, match="dtype"):
         resolve_dtype("int8")
+
+
+def test_auto_dtype_is_float32_on_cpu_and_bfloat16_on_an_accelerator():
+    """dtype "auto" (the default of LLM, serve and EngineConfig) follows the platform."""
+    from jaxserve.engine.config import EngineConfig
+    from jaxserve.llm import LLM
+    from jaxserve.model.loader import served_dtype
+
+    assert served_dtype("auto", "cpu") == "float32"
+    assert served_dtype("auto", "gpu") == served_dtype("auto", "tpu") == "bfloat16"
+    assert served_dtype("float32", "gpu") == "float32"  # an explicit choice stays
+    assert served_dtype("bfloat16", "cpu") == "bfloat16"
+    import inspect
+
+    assert inspect.signature(LLM).parameters["dtype"].default == "auto"
+    assert EngineConfig(model=None).dtype == "auto"
+
+
+def test_a_worker_asked_for_auto_serves_float32_on_the_cpu(tmp_path):
+    import jax.numpy as jnp
+
+    from jaxserve.step_plan import WorkerInit
+    from jaxserve.worker.in_process import InProcessWorker
+    from tests.model.hf_tiny import make_tiny_model
+
+    make_tiny_model("LlamaForCausalLM", tmp_path)
+    worker = InProcessWorker()
+    worker.initialize(WorkerInit(model=str(tmp_path), dtype="auto", block_size=8,
+                                 num_kv_blocks=16, kv_cache_bytes=None, max_num_seqs=2,
+                                 max_model_len=64, token_buckets=(8,), request_buckets=(2,),
+                                 precompile=False))
+    assert worker.init.dtype == "float32"
+    assert worker.kv_cache.k[0].dtype == jnp.float32

@@ -95,3 +95,36 @@ def test_worker_sizes_its_cache_from_reported_device_memory(tiny, monkeypatch, p
         report = worker.compile_report
         assert report.by_kind == {"sizing": 1, "body": 3, "sampler": 2 * 2, "rows": 2 + 1}
         assert report.num_backend_compiles == report.num_executables
+
+
+def test_utilization_is_a_fraction_of_total_device_memory(monkeypatch):
+    """As vLLM's --gpu-memory-utilization: of the GPU's total, capped by JAX's pool."""
+    import types
+
+    from jaxserve.worker.kv_sizing import device_memory
+
+    def gpu(limit):
+        return types.SimpleNamespace(platform="gpu", memory_stats=lambda: {
+            "bytes_limit": limit, "bytes_in_use": 0})
+
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    assert device_memory([gpu(750 * MiB)]).total == 1000 * MiB  # JAX's default pool: 75 %
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
+    assert device_memory([gpu(900 * MiB)]).total == 1000 * MiB
+    tpu = types.SimpleNamespace(platform="tpu", memory_stats=lambda: {"bytes_limit": 16 * MiB})
+    assert device_memory([tpu]).total == 16 * MiB
+    # Pool = 0.9 of 1000: 1000 * 0.9 - 300 - 100 = 500 MiB -> 166 blocks of 3 MiB.
+    memory = DeviceMemory(bytes_limit=900 * MiB, bytes_in_use=300 * MiB, total_bytes=1000 * MiB)
+    assert blocks_from_free_memory(memory, 100 * MiB, 0.9, 3 * MiB) == 166
+    # JAX's default 75 % pool caps it: 750 - 300 - 100 = 350 MiB -> 116 blocks.
+    memory = DeviceMemory(bytes_limit=750 * MiB, bytes_in_use=300 * MiB, total_bytes=1000 * MiB)
+    assert blocks_from_free_memory(memory, 100 * MiB, 0.9, 3 * MiB) == 116
+
+
+def test_a_gpu_without_memory_stats_is_an_error_not_the_cpu_budget():
+    kw = dict(num_blocks=None, kv_cache_bytes=None, bytes_per_block=3 * MiB, memory=None,
+              utilization=0.9)
+    with pytest.raises(ValueError, match="gpu device reports no memory statistics"):
+        num_kv_blocks(**kw, platform="gpu")
+    assert num_kv_blocks(**kw, platform="cpu") == DEFAULT_CPU_KV_CACHE_BYTES // (3 * MiB)
+    assert num_kv_blocks(**{**kw, "kv_cache_bytes": 30 * MiB}, platform="gpu") == 10
