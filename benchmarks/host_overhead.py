@@ -1,14 +1,18 @@
 """The host's share of a step: the engine loop and the gRPC hop against a null worker.
 
     python -m benchmarks.host_overhead [--rows 1,64,256] [--steps 400] [--warmup 50]
-        [--modes async,sync] [--results DIR]
+        [--modes async,sync] [--outputs queue,stream] [--results DIR]
 
 A worker process with no model (``benchmarks.null_worker``: the real worker
 server and protocol, each plan answered at once) stands in for the device,
 so every millisecond of a step is the host's: the engine loop
 (``EngineLoop``: scheduling, plan building, token processing, the outputs
 published to a subscriber), the plan and result codecs and the gRPC round
-trip, and the worker server's own handling. For each scheduling mode
+trip, and the worker server's own handling. The outputs go to a subscriber
+queue in this process (``queue``) or over the engine's gRPC ``StreamOutputs``
+(``EngineServer``) to a client standing for the api process (``stream``, as
+``jaxserve serve`` runs; the client counts the outputs without turning them
+back into ``EngineCoreOutput``s). For each output path, each scheduling mode
 (async, the default, and sync) and each R, R requests decode together in
 steady state (``max_num_seqs`` 256, prompts of 32 tokens, ``max_tokens``
 long enough that no sequence finishes; a block boundary crossed every 16
@@ -19,7 +23,7 @@ steps) and the benchmark reports per step:
   subscriber, mean / p50 / p99, milliseconds — the step time a device step
   of zero would get, so a device step longer than it never waits for the host;
 - ``engine_cpu_ms`` / ``worker_cpu_ms``: CPU time per step of the engine
-  process (this one: the loop, the gRPC client, the subscriber) and of the
+  process (this one: the loop, the gRPC client and server, the subscriber) and of the
   worker process, milliseconds;
 - ``engine_steps`` / ``worker_steps``: steps the engine applied and plans the
   worker ran in the whole run (warm-up included; with async scheduling the
@@ -111,8 +115,9 @@ def measure(rows: int, async_scheduling: bool, steps: int, warmup: int,
     core = EngineCore(config, worker)
     rng = np.random.default_rng(rows)
     params = SamplingParams(max_tokens=max_model_len - PROMPT_LEN, ignore_eos=True)
-    for i, prompt in enumerate(rng.integers(1, null_worker.VOCAB_SIZE, (rows, PROMPT_LEN))):
-        core.add_request(EngineCoreRequest(f"r{i}", prompt.tolist(), params))  # before the loop runs
+    prompts = rng.integers(1, null_worker.VOCAB_SIZE, (rows, PROMPT_LEN)).tolist()
+    for i, prompt in enumerate(prompts):  # added before the loop runs
+        core.add_request(EngineCoreRequest(f"r{i}", prompt, params))
     calls: list = []
     if stream:
         server = EngineServer(core, "127.0.0.1:0")
