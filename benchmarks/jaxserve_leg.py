@@ -29,7 +29,8 @@ class EngineOptions:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     block_size: int = 16
-    kv_cache_bytes: int = 1 << 30
+    # None: sized as a server sizes it (free device memory on a GPU, 1 GiB on a CPU)
+    kv_cache_bytes: int | None = None
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     dtype: str = "float32"
