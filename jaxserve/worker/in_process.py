@@ -3,13 +3,15 @@
 Implements ``jaxserve.step_plan.Worker``; the worker process
 (``jaxserve.worker.server``) serves this same class over gRPC.
 
-``initialize(init)`` loads the model, sizes the KV cache (``kv_sizing``),
-allocates it and the persistent rows on the device (``device_state``) — with
-``tensor_parallel_size`` > 1 on a device mesh: the model and the KV cache
-split over it, everything else replicated (``jaxserve.model.sharding``) — then
-compiles every executable of the ladders (``executables`` +
-``compile_manager``; or loads them from the persistent compilation cache)
-and arms the recompile guard.
+``initialize(init)`` loads the model, allocates the persistent rows on the
+device (``device_state``), compiles the executables that do not take the KV
+cache (the greedy and full samplers, the row writes), sizes the KV cache
+(``kv_sizing``) and allocates it — with ``tensor_parallel_size`` > 1 on a
+device mesh: the model and the KV cache split over it, everything else
+replicated (``jaxserve.model.sharding``) — then compiles the bodies (``executables`` +
+``compile_manager``; or loads them from the persistent compilation cache),
+arms the recompile guard and starts the background compile of the other
+sampler variants (docs/worker.md, *Order of a start*).
 
 In a multi-host worker (``jaxserve.worker.server --num-hosts``) the mesh spans
 every host's devices; each process places only its own shards of host data
@@ -238,6 +240,8 @@ class InProcessWorker:
             # the largest sampler from the ladder's own executable.
             now, later = split_for_startup(ladder_executables(
                 shapes(sizing_kv), init.token_buckets, init.request_buckets))
+            if jax.process_count() > 1:  # every host must run the same variant in a step
+                now, later = now + later, []
             automatic = (init.num_kv_blocks is None and init.kv_cache_bytes is None
                          and memory is not None)
             sizing = [dataclasses.replace(

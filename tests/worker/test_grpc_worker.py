@@ -30,6 +30,7 @@ from jaxserve.model.loader import load_model
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.step_plan import NewRow, StepPlan
 from jaxserve.worker import InProcessWorker, server
+from jaxserve.worker.executables import BACKGROUND_VARIANTS
 from jaxserve.worker.sampler import SAMPLER_VARIANTS
 from tests.model.hf_tiny import make_tiny_model
 
@@ -140,8 +141,10 @@ def test_status_health_errors_profile_and_reinitialize(tiny_dir, tmp_path):
         assert check(request).status == health_pb2.HealthCheckResponse.SERVING
         status = worker.status()
         assert status.ready and status.platform == "cpu" and status.num_recompiles == 0
-        # |T| bodies, |R| x |variants| samplers, |R| staged row writes, set_penalty_row
-        assert status.num_executables == (len(T_LADDER) + len(SAMPLER_VARIANTS) * len(R_LADDER)
+        # Before ready: |T| bodies, |R| x the variants not compiled in the background,
+        # |R| staged row writes, set_penalty_row
+        eager = len(SAMPLER_VARIANTS) - len(BACKGROUND_VARIANTS)
+        assert status.num_executables == (len(T_LADDER) + eager * len(R_LADDER)
                                           + len(R_LADDER) + 1)
         with pytest.raises(ValueError, match="not on the ladders"):
             worker.execute(StepPlan(**{**{f: getattr(plan, f) for f in plan.__slots__},

@@ -140,3 +140,14 @@ def test_the_key_holds_the_device_kind_and_the_backend_version(tmp_path):
     assert jax.devices()[0].device_kind in here.split("|")
     assert ps.ProgramStore(tmp_path).key("body[T=1]", "m") == ps.ProgramStore(
         tmp_path, here).key("body[T=1]", "m")
+
+
+def test_compile_all_on_threads_stores_then_loads_every_program(tmp_path):
+    store = ps.ProgramStore(tmp_path / "programs")
+    first = compile_all(_small_ladder(), progress=False, store=store, threads=3)
+    _check_ran(first)
+    assert first.num_programs_loaded == 0 and len(list(store.directory.iterdir())) == 2
+    again = compile_all(_small_ladder(), progress=False, store=ps.ProgramStore(store.directory),
+                        threads=3)
+    _check_ran(again)
+    assert again.num_programs_loaded == 2 and again.store_off_reason is None
