@@ -180,13 +180,19 @@ class ProgramStore:
         """(program, result tree) stored under ``key``, or None when absent or unreadable.
 
         The first unreadable entry of this store is logged (one line); it and
-        any later one are traced again.
+        any later one are traced again. A CPU program may call the C++ kernels,
+        whose FFI handlers are registered when a model using them is traced: a
+        program that is loaded instead is never traced, so they are registered
+        here (XLA's compile fails with "No FFI handler registered" otherwise).
         """
         path = self.directory / f"{key}.program"
         try:
             with open(path, "rb") as f:
                 payload, out_tree = pickle.load(f)
-            return export.deserialize(payload), out_tree
+            program = export.deserialize(payload)
+            if "cpu" in program.platforms:
+                cpu_kernels.available()  # registers the handlers, once per process
+            return program, out_tree
         except (FileNotFoundError, NotADirectoryError):
             return None
         except Exception as err:  # noqa: BLE001 - a bad entry is traced again, not fatal
