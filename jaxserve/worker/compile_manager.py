@@ -31,6 +31,7 @@ sub-second compiles are cached too).
 
 from __future__ import annotations
 
+import atexit
 import collections
 import concurrent.futures
 import contextlib
@@ -432,6 +433,10 @@ class BackgroundCompile:
                                                               store),
                                        name="background-compile", daemon=True)
         self.thread.start()
+        # A daemon thread still inside an XLA compile when the interpreter
+        # finalizes aborts the process (SIGABRT, "FATAL: exception not
+        # rethrown"): a script that never shuts its LLM down waits for it.
+        atexit.register(self._finish)
 
     def _run(self, executables, functions, store) -> None:
         start = time.perf_counter()
@@ -454,6 +459,10 @@ class BackgroundCompile:
 
     def stop(self) -> None:
         """Compiles nothing more (the one in progress finishes) and waits for the thread."""
+        atexit.unregister(self._finish)
+        self._finish()
+
+    def _finish(self) -> None:
         self._stop.set()
         self.thread.join()
 
