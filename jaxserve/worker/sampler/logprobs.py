@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxserve.worker.sampler.top_k import exact_top_k
+
 
 def token_logprobs(logits: jax.Array, token_ids: jax.Array, num_logprobs: jax.Array,
                    max_num_logprobs: int
@@ -46,7 +48,7 @@ def token_logprobs(logits: jax.Array, token_ids: jax.Array, num_logprobs: jax.Ar
     if max_num_logprobs == 0:
         return (logprob, rank, jnp.zeros((rows, 0), jnp.float32),
                 jnp.zeros((rows, 0), jnp.int32))
-    top_vals, top_ids = lax.top_k(logits, max_num_logprobs)  # [R, NL]
+    top_vals, top_ids = exact_top_k(logits, max_num_logprobs)  # [R, NL]; no sort of V on a GPU
     used = jnp.arange(max_num_logprobs)[None, :] < num_logprobs[:, None]  # [R, NL]
     top_logprobs = jnp.where(used, top_vals - lse[:, None], -jnp.inf)
     return logprob, rank, top_logprobs, jnp.where(used, top_ids, -1)

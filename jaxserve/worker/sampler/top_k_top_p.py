@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxserve.worker.sampler.threshold_search import search_threshold
+from jaxserve.worker.sampler.top_k import exact_top_k
 
 NUM_CANDIDATES = 128  # KC: candidates from lax.top_k; the fast path covers k <= KC
 
@@ -73,7 +74,7 @@ def filter_threshold(logits: jax.Array, temperature: jax.Array, top_k: jax.Array
     # One per output: a barrier over top_k's whole tuple crashes XLA's
     # TopkDecomposer (CPU, compiling for several devices), which expects
     # every user of a TopK to take one element.
-    cand_l, cand_ids = lax.top_k(logits, kc)
+    cand_l, cand_ids = exact_top_k(logits, kc)  # no sort of V on a GPU (top_k.py)
     cand_l, cand_ids = lax.optimization_barrier(cand_l), lax.optimization_barrier(cand_ids)
     # ^ [R, KC] f32, i32
     cand_z = cand_l / t  # [R, KC]; bitwise equal to (logits / t) at cand_ids
