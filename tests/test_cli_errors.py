@@ -88,7 +88,8 @@ def test_float16_is_refused_at_start_up(demo_model_dir):
     assert "usage: jaxserve serve" in proc.stderr and "invalid choice: 'float16'" in proc.stderr
     from jaxserve import LLM
 
-    with pytest.raises(ValueError, match="dtype must be one of float32, bfloat16, got 'float16'"):
+    with pytest.raises(ValueError,
+                       match="dtype must be one of float32, bfloat16 or auto, got 'float16'"):
         LLM(str(demo_model_dir), dtype="float16")
 
 
