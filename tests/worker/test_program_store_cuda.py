@@ -18,34 +18,23 @@ from __future__ import annotations
 import logging
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import AbstractDevice
 
-from jaxserve.model.kv_cache import kv_cache_shapes
-from jaxserve.model.loader import load_model
 from jaxserve.worker import program_store as ps
 from jaxserve.worker.compile_manager import StepExecutable, compile_all, trace_program
-from jaxserve.worker.executables import LadderShapes, ladder_executables
-from jaxserve.worker.rows import RowState
 from jaxserve.worker.sampler import SAMPLER_VARIANTS
 from pallas_kernels.gpu_target import TRITON_CUSTOM_CALL, abstract_gpu
-from tests.model.hf_tiny import make_tiny_model
+from tests.worker.tiny_ladder import tiny_pallas_ladder
 
 CUDA = ("cuda",)
 
 
 @pytest.fixture(scope="module")
 def ladder(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("tiny_llama_store")
-    make_tiny_model("LlamaForCausalLM", directory)
-    config, graphdef, state = load_model(directory, "bfloat16")
-    kv = kv_cache_shapes(config, 32, 16, jnp.bfloat16)
-    rows = RowState(8, 256, 16, config.vocab_size, config.eos_token_ids)
-    hidden = jax.ShapeDtypeStruct((8, config.hidden_size), jnp.bfloat16)
-    shapes = LadderShapes(graphdef, state, kv, rows, hidden, "pallas")
-    return ladder_executables(shapes, token_buckets=(1, 64), request_buckets=(8,))
+    return tiny_pallas_ladder(tmp_path_factory.mktemp("tiny_llama_store"), token_buckets=(1, 64),
+                              request_buckets=(8,))
 
 
 def test_the_served_step_exported_for_cuda_round_trips_through_the_store(ladder, tmp_path):

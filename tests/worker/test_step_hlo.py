@@ -11,28 +11,17 @@ loops (a conditional costs no device sync on the CPU) and is not lowered here.
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import pytest
 
-from jaxserve.model.kv_cache import kv_cache_shapes
-from jaxserve.model.loader import load_model
-from jaxserve.worker.executables import LadderShapes, ladder_executables
-from jaxserve.worker.rows import RowState
 from jaxserve.worker.sampler import SAMPLER_VARIANTS
 from tests.hlo_checks import assert_no_control_flow, lower_for_cuda
-from tests.model.hf_tiny import make_tiny_model
+from tests.worker.tiny_ladder import tiny_pallas_ladder
 
 
 @pytest.fixture(scope="module")
 def ladder(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("tiny_llama")
-    make_tiny_model("LlamaForCausalLM", directory)
-    config, graphdef, state = load_model(directory, "bfloat16")
-    kv = kv_cache_shapes(config, 32, 16, jnp.bfloat16)
-    rows = RowState(8, 256, 16, config.vocab_size, config.eos_token_ids)
-    hidden = jax.ShapeDtypeStruct((8, config.hidden_size), jnp.bfloat16)
-    shapes = LadderShapes(graphdef, state, kv, rows, hidden, "pallas")
-    return ladder_executables(shapes, token_buckets=(1, 16, 64), request_buckets=(1, 8))
+    return tiny_pallas_ladder(tmp_path_factory.mktemp("tiny_llama"), token_buckets=(1, 16, 64),
+                              request_buckets=(1, 8))
 
 
 def _lower_for_cuda(exe) -> str:
