@@ -106,6 +106,27 @@ def test_malformed_chat_messages_name_the_parameter(client, message, param):
     assert error["param"] == param and error["message"].startswith(param)
 
 
+@pytest.mark.parametrize("path,template,param", [
+    ("/v1/completions", '{"prompt": "a%sb"}', "prompt"),
+    ("/v1/completions", '{"prompt": ["ok", "%s"]}', "prompt"),
+    ("/v1/completions", '{"prompt": "x", "stop": ["%s"]}', "stop"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "%s"}]}',
+     "messages[0].content"),
+    ("/v1/chat/completions",
+     '{"messages": [{"role": "user", "content": [{"type": "text", "text": "%s"}]}]}',
+     "messages[0].content"),
+    ("/tokenize", '{"prompt": "%s"}', "prompt"),
+])
+@pytest.mark.parametrize("lone", ["\\ud800", "\\udfff"])
+def test_lone_surrogates_are_400s_naming_the_field(client, path, template, param, lone):
+    """JSON's \\ud800 escape without its pair has no UTF-8 form: refused before any tokenizer."""
+    headers = {**AUTH, "Content-Type": "application/json"}
+    error = _error(client.post(path, content=(template % lone).encode(), headers=headers), 400)
+    assert error["param"] == param and "surrogate" in error["message"]
+    # A surrogate pair is one valid character (U+1F600): not refused (503: no engine yet).
+    _error(client.post(path, content=(template % "\\ud83d\\ude00").encode(), headers=headers), 503)
+
+
 def test_body_that_is_not_json(client):
     error = _error(client.post("/v1/completions", content=b"{nope", headers={
         **AUTH, "Content-Type": "application/json"}), 400)

@@ -21,13 +21,40 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+def _has_lone_surrogate(value: Any) -> bool:
+    """True when a string in ``value`` (at any depth) holds a lone UTF-16 surrogate.
+
+    JSON's ``\\ud800`` escape decodes to such a code point, which has no UTF-8
+    form: the tokenizer and gRPC could not take the text.
+    """
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(value, dict):
+        return any(_has_lone_surrogate(k) or _has_lone_surrogate(v) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return any(_has_lone_surrogate(v) for v in value)
+    return False
 
 
 class _Body(BaseModel):
     # strict: "5" is not an integer nor true a number (OpenAI answers 400 too);
     # an integer is still a valid float.
     model_config = ConfigDict(extra="forbid", strict=True)
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _utf8(cls, value: Any) -> Any:
+        if _has_lone_surrogate(value):
+            raise ValueError("holds a lone UTF-16 surrogate (a \\ud800-\\udfff escape "
+                             "without its pair), which is not valid Unicode text")
+        return value
 
 
 class StreamOptions(_Body):

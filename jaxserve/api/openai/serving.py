@@ -84,7 +84,7 @@ class OpenAIServing:
                 logprobs: int | None, logprobs_param: str):
         """Validated ``SamplingParams`` from the body's explicit fields."""
         for name, allowed in UNSUPPORTED_FIELDS.items():
-            if name in body.model_fields and getattr(body, name) not in allowed:
+            if name in type(body).model_fields and getattr(body, name) not in allowed:
                 raise bad_request(self.runner, name, "not supported by this server")
         kwargs: dict[str, Any] = {name: getattr(body, name) for name in _DIRECT_FIELDS
                                   if getattr(body, name) is not None}
