@@ -223,7 +223,7 @@ class LLM:
                 list(conv), tokenize=False, add_generation_prompt=add_generation_prompt,
                 chat_template=chat_template)
             texts.append(text)
-            ids.append(self.tokenizer.encode(text, add_special_tokens=False))
+            ids.append(self._encode(text, "messages", add_special_tokens=False))
         return self._run(texts, ids, sampling_params, use_tqdm)
 
     def shutdown(self) -> None:
@@ -236,14 +236,25 @@ class LLM:
         self.shutdown()
 
     # ------------------------------------------------------------ internals
+    def _encode(self, text: str, field: str, **kwargs: Any) -> list[int]:
+        """The tokenizer's ids of ``text``; ValueError naming ``field`` for text without UTF-8."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise ValueError(f"{field}: not valid Unicode text ({err.reason} at index "
+                             f"{err.start})") from None
+        # verbose=False: the engine's limits refuse an over-long prompt with its
+        # field; transformers' "indexing errors" warning is not ours to give.
+        return list(self.tokenizer.encode(text, verbose=False, **kwargs))
+
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
+            return prompt, self._encode(prompt, "prompt")
         if isinstance(prompt, Mapping):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
             if "prompt" in prompt:
-                return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+                return prompt["prompt"], self._encode(prompt["prompt"], "prompt")
             raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got {sorted(prompt)}")
         return None, [int(t) for t in prompt]
 

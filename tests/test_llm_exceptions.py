@@ -101,3 +101,20 @@ def test_parameters_the_sampler_cannot_run_are_refused_before_any_step(demo_mode
     _assert_engine_empty(llm)
     assert len(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == len(PROMPTS)
     llm.shutdown()
+
+
+@pytest.mark.parametrize("call", ["generate", "generate_dict", "chat"])
+def test_text_without_utf8_is_refused_naming_the_field(demo_model_dir, call):
+    """A lone UTF-16 surrogate has no UTF-8 form: a ValueError naming the field, nothing queued."""
+    llm = _llm(demo_model_dir, async_scheduling=False)
+    text = "a\ud800b"
+    with pytest.raises(ValueError, match=r"^(prompt|messages): not valid Unicode text"):
+        if call == "generate":
+            llm.generate([text], GREEDY, use_tqdm=False)
+        elif call == "generate_dict":
+            llm.generate([{"prompt": text}], GREEDY, use_tqdm=False)
+        else:
+            llm.chat([{"role": "user", "content": text}], GREEDY, use_tqdm=False)
+    _assert_engine_empty(llm)
+    assert _token_ids(llm.generate(["a\U0001f600b"], GREEDY, use_tqdm=False))[0]  # a pair is fine
+    llm.shutdown()
