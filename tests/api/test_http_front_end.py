@@ -171,6 +171,8 @@ def test_a_model_by_id(served):
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}],
                           "logit_bias": {"5": -101}}, "logit_bias"),
     ("completions", {"prompt": [1, 2], "seed": 2**64}, "seed"),
+    ("completions", {"prompt": [1, 2], "stream_options": {"include_usage": True}},
+     "stream_options"),  # without stream (OpenAI and vLLM refuse it too)
     ("completions", {"prompt": [1, 2], "seed": -(2**63) - 1}, "seed"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"},
                                        {"role": "narrator", "content": "y"}]}, "messages[1].role"),

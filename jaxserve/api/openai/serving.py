@@ -86,6 +86,8 @@ class OpenAIServing:
         for name, allowed in UNSUPPORTED_FIELDS.items():
             if name in type(body).model_fields and getattr(body, name) not in allowed:
                 raise bad_request(self.runner, name, "not supported by this server")
+        if body.stream_options is not None and not body.stream:
+            raise bad_request(self.runner, "stream_options", "only allowed when stream is true")
         kwargs: dict[str, Any] = {name: getattr(body, name) for name in _DIRECT_FIELDS
                                   if getattr(body, name) is not None}
         if max_tokens is not None:
