@@ -51,9 +51,9 @@ def run(args: argparse.Namespace) -> int:
                                       metrics_port=0))
     try:
         launcher.start()
-        ready = launcher.wait_ready(args.ready_timeout, stop_event=stop.event)
-        logger.info("server ready after %.1f s; asking: %s", time.monotonic() - start,
-                    args.question)
+        launcher.wait_ready(args.ready_timeout, stop_event=stop.event)
+        logger.info("server ready after %.1f s (start-up: launch, load, compile); asking: %s",
+                    time.monotonic() - start, args.question)
         sys.stdout.write(f"user: {args.question}\nassistant: ")
         sys.stdout.flush()
         t0 = time.monotonic()
@@ -67,9 +67,9 @@ def run(args: argparse.Namespace) -> int:
                 last = delta
         sys.stdout.write("\n")
         if last is not None and last.usage is not None:
-            logger.info("%d tokens in %.2f s (finish reason %s); start-up %.1f s",
+            logger.info("%d tokens in %.2f s (finish reason %s)",
                         last.usage.completion_tokens, time.monotonic() - t0,
-                        last.finish_reason, ready)
+                        last.finish_reason)
         return 0
     except InterruptedError:
         return 130
