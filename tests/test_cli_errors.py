@@ -2,7 +2,8 @@
 
 No server runs here: the errors are caught before any is needed (``chat``
 validates its sampling flags up front; ``serve`` checks the model path, its
-files and ``--dtype`` before it starts a process), or no server answers (the
+files, ``--dtype`` and the engine's limits and bucket ladders before it
+starts a process), or no server answers (the
 client commands then say how to start one). Also: a misspelt flag prints the
 subcommand's usage, ``serve --help`` names both APIs and their ports, and the start-up notices of transformers and JAX that are
 not problems stay quiet.
@@ -42,6 +43,18 @@ def test_serve_with_a_missing_model_directory_fails_in_one_line(tmp_path):
     proc = _cli("serve", "--model", str(tmp_path / "missing"), "--port", "0")
     assert proc.returncode == 1, proc.stderr
     assert "missing" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("flags, named", [
+    (("--token-buckets", "16,8,4000"), "token_buckets"),
+    (("--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--token-buckets", "16,32"),
+     "token_buckets"),  # does not reach the step budget
+])
+def test_serve_refuses_bad_engine_flags_before_starting_a_process(flags, named):
+    proc = _cli("serve", "--port", "0", *flags)
+    assert proc.returncode == 2, proc.stderr
+    assert named in proc.stderr and "Traceback" not in proc.stderr
+    assert "starting" not in proc.stderr  # no process was launched
 
 
 def _model_dir(tmp_path, demo_model_dir, *, weights: bool, tokenizer: bool):

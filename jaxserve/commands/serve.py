@@ -17,7 +17,8 @@ import argparse
 import logging
 import os
 
-from jaxserve.engine.service import add_engine_arguments, engine_flags, positive_int
+from jaxserve.engine.service import (add_engine_arguments, engine_config, engine_flags,
+                                     positive_int)
 from jaxserve.launcher import API_KEY_ENV
 from jaxserve.generation_config import AUTO, generation_config_source
 
@@ -111,6 +112,11 @@ def run(args: argparse.Namespace) -> int:
 
     if bool(args.ssl_certfile) != bool(args.ssl_keyfile):
         logger.error("--ssl-certfile and --ssl-keyfile go together")
+        return 2
+    try:
+        engine_config(args)  # the engine's own checks (ladders, limits), before any process
+    except ValueError as err:
+        logger.error("%s", err)
         return 2
     stop = StopSignal()
     launcher = Launcher(serve_options(args))
