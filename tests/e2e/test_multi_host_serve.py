@@ -15,7 +15,6 @@ heads, 2 KV heads, the demo model's tokenizer and vocabulary).
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import threading
 
@@ -28,7 +27,7 @@ from jaxserve.sampling_params import SamplingParams
 from jaxserve.worker import InProcessWorker
 from tests.e2e.helpers import process_alive, serve
 from tests.engine.drive import generate
-from tests.model.hf_tiny import make_tiny_model
+from tests.model.hf_tiny import copy_tokenizer, make_tiny_model
 
 pytestmark = pytest.mark.slow
 
@@ -43,9 +42,7 @@ def tiny_dir(tmp_path_factory, demo_model_dir):
     directory = tmp_path_factory.mktemp("tiny_multi_host_serve")
     make_tiny_model("LlamaForCausalLM", directory, seed=6, vocab_size=49152,
                     num_attention_heads=8, num_key_value_heads=2, intermediate_size=128)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(demo_model_dir / name, directory / name)
-    return directory
+    return copy_tokenizer(demo_model_dir, directory)
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,6 @@ launcher, api, engine and worker processes on loopback.
 from __future__ import annotations
 
 import re
-import shutil
 
 import grpc
 import pytest
@@ -34,7 +33,7 @@ from jaxserve.launcher import ServerExited
 from jaxserve.status_details import MAX_DETAILS_BYTES
 from jaxserve.worker.server import TEST_FAIL_ENV, TEST_FAIL_LAST_LINE
 from tests.e2e.helpers import serve
-from tests.model.hf_tiny import make_tiny_model
+from tests.model.hf_tiny import copy_tokenizer, make_tiny_model
 
 pytestmark = pytest.mark.slow
 
@@ -42,7 +41,6 @@ ENGINE = ("--max-num-seqs", "2", "--max-num-batched-tokens", "16", "--max-model-
           "--block-size", "4", "--num-kv-blocks", "80")  # as test_worker_restart: shared compiles
 PROMPT = [5, 9, 13, 17, 21, 25]
 FAIL_STEP = 5
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 # What a hop may add around the worker's bounded details ("worker at HOST:PORT: ...").
 HOP_PREFIX_BYTES = 200
 
@@ -51,10 +49,7 @@ HOP_PREFIX_BYTES = 200
 def tiny_dir(tmp_path_factory, demo_model_dir):
     directory = tmp_path_factory.mktemp("tiny_llama_errors")
     make_tiny_model("LlamaForCausalLM", directory, seed=4)
-    for name in TOKENIZER_FILES:
-        if (demo_model_dir / name).exists():
-            shutil.copy(demo_model_dir / name, directory / name)
-    return directory
+    return copy_tokenizer(demo_model_dir, directory)
 
 
 def _first_line(what: str) -> str:

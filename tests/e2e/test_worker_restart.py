@@ -21,7 +21,6 @@ Prompts are token ids below the tiny model's vocabulary (256).
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import time
 import urllib.request
@@ -32,7 +31,7 @@ import pytest
 from jaxserve.client import Client, JaxServeError
 from jaxserve.procutil import free_port
 from tests.e2e.helpers import child_pids, serve, wait_all_blocks_free, wait_gone
-from tests.model.hf_tiny import make_tiny_model
+from tests.model.hf_tiny import copy_tokenizer, make_tiny_model
 
 pytestmark = pytest.mark.slow
 
@@ -41,7 +40,6 @@ ENGINE = ("--max-num-seqs", "2", "--max-num-batched-tokens", "16", "--max-model-
 PROMPT = [5, 9, 13, 17, 21, 25]
 GREEDY = dict(max_tokens=8, temperature=0.0, ignore_eos=True)
 LONG = dict(max_tokens=100, temperature=0.0, ignore_eos=True)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 SERVING_AGAIN_S = 60.0
 HANG_STEP = 40  # a GREEDY request takes fewer steps; a LONG one reaches it
 
@@ -50,10 +48,7 @@ HANG_STEP = 40  # a GREEDY request takes fewer steps; a LONG one reaches it
 def tiny_dir(tmp_path_factory, demo_model_dir):
     directory = tmp_path_factory.mktemp("tiny_llama_restart")
     make_tiny_model("LlamaForCausalLM", directory, seed=3)
-    for name in TOKENIZER_FILES:
-        if (demo_model_dir / name).exists():
-            shutil.copy(demo_model_dir / name, directory / name)
-    return directory
+    return copy_tokenizer(demo_model_dir, directory)
 
 
 def _wait_serving(client: Client, timeout: float) -> float:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pathlib
+import shutil
 
 import torch
 import transformers
@@ -12,6 +13,9 @@ import transformers
 TINY = dict(vocab_size=256, hidden_size=96, intermediate_size=160, num_hidden_layers=2,
             num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256,
             rms_norm_eps=1e-5, initializer_range=0.2)
+
+# The tokenizer files a model directory needs (copied from the demo model).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 ARCHS = {
     "LlamaForCausalLM": (transformers.LlamaConfig, dict(
@@ -51,3 +55,15 @@ def hf_logits(model: transformers.PreTrainedModel, token_ids: list[int]) -> "num
     with torch.no_grad():
         out = model(torch.tensor([token_ids]), use_cache=False)
     return out.logits[0].float().numpy()
+
+
+def copy_tokenizer(source: pathlib.Path, directory: pathlib.Path) -> pathlib.Path:
+    """Copies ``TOKENIZER_FILES`` that ``source`` has into ``directory``; returns ``directory``.
+
+    The demo tokenizer's vocabulary is larger than a tiny model's V: tests
+    send token ids below V and only detokenize what the model generates.
+    """
+    for name in TOKENIZER_FILES:
+        if (source / name).exists():
+            shutil.copy(source / name, directory / name)
+    return directory
