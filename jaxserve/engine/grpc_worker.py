@@ -240,6 +240,16 @@ class GrpcWorker:
     def dead(self) -> bool:
         return self._dead is not None
 
+    def exited(self) -> WorkerDiedError | None:
+        """This worker's ``WorkerDiedError`` when it is dead or its process has exited, else None.
+
+        For a group whose other ranks fail in a collective (a closed peer
+        connection) before this rank's own call reports its death.
+        """
+        if self._dead is None and self.process is not None and self.process.poll() is not None:
+            self._died("its process exited")
+        return self._dead
+
     # -------------------------------------------------------------- internal
     def _check_alive(self) -> None:
         if self._dead is not None:

@@ -125,6 +125,10 @@ class WorkerGroup:
                         done.set_result(parts[0].result())
                     return
             err = failed.exception()
+            if not isinstance(err, WorkerDiedError):
+                # A rank killed mid-step first shows as the others' collective
+                # error (a closed peer connection): its death is the cause.
+                err = next((e for e in (w.exited() for w in self.workers) if e), err)
             died = isinstance(err, WorkerDiedError)
             self._fail(err if died else None, f"step {plan.step_id} failed: {err}")
             with lock:  # a death: the first rank found dead, not a rank killed since
