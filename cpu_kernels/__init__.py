@@ -6,7 +6,10 @@ results are ``pallas_kernels.ragged_paged_attention_reference``'s.
 
 ``matmul.cc`` is the matrix product of few rows against a kernel stored
 ``[out, in]`` (``matmul``), which ``jaxserve.model.llama.linear`` uses for
-float32 products of at most ``MATMUL_MAX_ROWS`` rows on the CPU.
+float32 products of at most ``MATMUL_MAX_ROWS`` rows on the CPU; the same code
+instantiated for int8 kernels with a float32 scale per output channel
+(``matmul_i8``, weight-only int8: ``jaxserve.model.quantization``) runs every
+product of an int8 kernel on the CPU, at any row count.
 
 Both are compiled into one library once per machine with the system C++ compiler (``$CXX``,
 else ``g++``), ``-O3 -march=native``, against the XLA FFI headers that ship with
@@ -43,6 +46,7 @@ SOURCES = tuple(pathlib.Path(__file__).with_name(name)
 HEADERS = (pathlib.Path(__file__).with_name("parallel.h"),)
 TARGET = "jaxserve_paged_attention_f32"
 MATMUL_TARGET = "jaxserve_matmul_f32"
+MATMUL_I8_TARGET = "jaxserve_matmul_i8"
 # Products of at most this many rows run the C++ kernel; beyond, XLA's own
 # (YNNPACK), which was level at 256 rows and faster at 512. Measured on the demo
 # model's shapes, 2 cores: a 30-layer chain of its four products plus the LM head,
@@ -121,6 +125,8 @@ def _load() -> str | None:
                                     platform="cpu")
         jax.ffi.register_ffi_target(MATMUL_TARGET, jax.ffi.pycapsule(lib.JaxserveMatmulF32),
                                     platform="cpu")
+        jax.ffi.register_ffi_target(MATMUL_I8_TARGET, jax.ffi.pycapsule(lib.JaxserveMatmulI8),
+                                    platform="cpu")
     except (OSError, RuntimeError, AttributeError) as err:
         logger.warning("CPU kernels unavailable, using the jnp attention reference and XLA's "
                        "products: %s", err)
@@ -195,3 +201,38 @@ def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     out = jax.ffi.ffi_call(MATMUL_TARGET, jax.ShapeDtypeStruct((rows.shape[0], w.shape[0]),
                                                                jnp.float32))(rows, w)
     return out.reshape(*x.shape[:-1], w.shape[0])
+
+
+def matmul_i8(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
+    """x f32[..., K] times an int8 kernel q i8[N, K] with scale f32[N] → f32[..., N], by the C++
+    kernel: ``(x @ q.T) * scale``, the int8 values widened to float32 in registers.
+
+    The product ``jaxserve.model.llama.linear`` runs for every int8 kernel on the CPU
+    (``jaxserve.model.quantization``); agrees with ``matmul_i8_reference`` to float32
+    rounding (another summation order).
+
+    Raises:
+      RuntimeError: the kernels could not be built (``available()`` is False).
+      ValueError: q is not 2-D, K differs, scale is not [N], or a dtype is not
+        float32 / int8 / float32.
+    """
+    if q.ndim != 2 or x.shape[-1] != q.shape[1] or scale.shape != q.shape[:1]:
+        raise ValueError(f"matmul_i8: x [..., K], q [N, K] and scale [N] expected, got "
+                         f"{x.shape}, {q.shape} and {scale.shape}")
+    if x.dtype != jnp.float32 or q.dtype != jnp.int8 or scale.dtype != jnp.float32:
+        raise ValueError(f"matmul_i8: float32, int8 and float32 operands expected, got "
+                         f"{x.dtype}, {q.dtype} and {scale.dtype}")
+    why = _load()
+    if why is not None:
+        raise RuntimeError(f"the CPU kernels are unavailable: {why}")
+    rows = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
+    out = jax.ffi.ffi_call(MATMUL_I8_TARGET, jax.ShapeDtypeStruct((rows.shape[0], q.shape[0]),
+                                                                  jnp.float32))(rows, q, scale)
+    return out.reshape(*x.shape[:-1], q.shape[0])
+
+
+def matmul_i8_reference(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
+    """``matmul_i8``'s contract in jnp (any platform): x [..., K], q i8[N, K], scale f32[N] →
+    [..., N] of x's dtype, ``(x @ q.T as x's dtype) * scale``."""
+    out = jax.lax.dot_general(x, q.astype(x.dtype), (((x.ndim - 1,), (1,)), ((), ())))
+    return (out * scale).astype(x.dtype)

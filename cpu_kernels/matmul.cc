@@ -1,7 +1,15 @@
-// Matrix products of few rows for the CPU, float32: an XLA FFI custom call.
+// Matrix products for the CPU, float32 activations: XLA FFI custom calls.
 //
 // y[M, N] = x[M, K] · w[N, K]ᵀ, the kernel stored [out, in] as the model
-// stores it (jaxserve.model.llama.linear). Made for the 1..128 rows of a decode
+// stores it (jaxserve.model.llama.linear). Two handlers share the code, a
+// template on the kernel's element type:
+// - jaxserve_matmul_f32: w float32;
+// - jaxserve_matmul_i8: w int8 with a float32 scale per output channel,
+//   y[m, n] = (Σ_k x[m, k] · w[n, k]) · scale[n] (weight-only int8,
+//   jaxserve.model.quantization). The int8 values are widened to float32 in
+//   registers as they are loaded (16 at a time) and the scale is applied once
+//   per output, so the kernel streams a quarter of the float32 bytes and no
+//   float copy of w exists. Made for the 1..128 rows of a decode
 // step or a small prefill chunk, where XLA's CPU backend (YNNPACK from M = 2)
 // is far from the speed of streaming the weights (few rows) or repacks the
 // whole weight for every product (more rows). Two forms, both reading w in
@@ -49,6 +57,18 @@ constexpr int64_t kLine = 64;         // bytes per cache line
 typedef float V16 __attribute__((vector_size(64), aligned(64)));
 typedef int32_t I16 __attribute__((vector_size(64), aligned(64)));
 typedef float V16u __attribute__((vector_size(64), aligned(4), may_alias));
+typedef int8_t I8x16u __attribute__((vector_size(16), aligned(1), may_alias));
+
+// 16 consecutive kernel elements as float32 lanes (int8 widened in registers).
+inline V16 Load16(const float* p) { return *reinterpret_cast<const V16u*>(p); }
+inline V16 Load16(const int8_t* p) {
+  return __builtin_convertvector(*reinterpret_cast<const I8x16u*>(p), V16);
+}
+
+// The output's scale: none for float32 kernels (nullptr), scale[n] for int8 ones.
+inline float Scaled(float s, const float* scale, int64_t n) {
+  return scale == nullptr ? s : s * scale[n];
+}
 
 inline float LaneSum(V16 v) {
   const I16 h8 = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};
@@ -79,9 +99,10 @@ void ForEachItemClaimingAhead(std::atomic<int64_t>& counter, int64_t num_items, 
   }
 }
 
-// y[i, j] = x[i, :] · w[j, :] for i < MB rows, j < kColBlock columns.
-template <int MB>
-inline void Block(const float* x, const float* w, float* y, int64_t K, int64_t N, Prefetch& pf) {
+// y[i, j] = x[i, :] · w[j, :] (· scale[j]) for i < MB rows, j < kColBlock columns.
+template <int MB, typename W>
+inline void Block(const float* x, const W* w, const float* scale, float* y, int64_t K, int64_t N,
+                  Prefetch& pf) {
   V16 acc[MB][kColBlock] = {};
   const int64_t k16 = K & ~int64_t{15};
   for (int64_t k = 0; k < k16; k += 16) {
@@ -89,7 +110,7 @@ inline void Block(const float* x, const float* w, float* y, int64_t K, int64_t N
       __builtin_prefetch(pf.next, 0, 1);  // locality 1: into L2
     V16 wv[kColBlock];
 #pragma GCC unroll 16
-    for (int j = 0; j < kColBlock; ++j) wv[j] = *reinterpret_cast<const V16u*>(w + j * K + k);
+    for (int j = 0; j < kColBlock; ++j) wv[j] = Load16(w + j * K + k);
 #pragma GCC unroll 16
     for (int i = 0; i < MB; ++i) {
       const V16 xv = *reinterpret_cast<const V16u*>(x + i * K + k);
@@ -100,14 +121,16 @@ inline void Block(const float* x, const float* w, float* y, int64_t K, int64_t N
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < kColBlock; ++j) {
       float s = LaneSum(acc[i][j]);
-      for (int64_t k = k16; k < K; ++k) s += x[i * K + k] * w[j * K + k];
-      y[i * N + j] = s;
+      for (int64_t k = k16; k < K; ++k) s += x[i * K + k] * static_cast<float>(w[j * K + k]);
+      y[i * N + j] = Scaled(s, scale, j);
     }
 }
 
+template <typename W>
 struct Problem {
   const float* x;
-  const float* w;
+  const W* w;
+  const float* scale;  // f32[N] for int8 kernels, nullptr for float32 ones
   float* y;
   int64_t M, N, K;
   int64_t col_items;  // items along N
@@ -115,16 +138,18 @@ struct Problem {
 
 // Runs `item`; its last block of w prefetches `after` (the first block of the
 // thread's next item, or nothing).
-void RunItem(const Problem& p, int64_t item, const float* after) {
+template <typename W>
+void RunItem(const Problem<W>& p, int64_t item, const W* after) {
   const int64_t m0 = item / p.col_items * kRowsPerItem, m1 = std::min(p.M, m0 + kRowsPerItem);
   const int64_t n0 = item % p.col_items * kColsPerItem, n1 = std::min(p.N, n0 + kColsPerItem);
-  const int64_t block_bytes = kColBlock * p.K * static_cast<int64_t>(sizeof(float));
+  const int64_t block_bytes = kColBlock * p.K * static_cast<int64_t>(sizeof(W));
   const int64_t steps = (m1 - m0 + kRowBlock - 1) / kRowBlock * std::max<int64_t>(p.K / 16, 1);
   const int64_t lines_per_step = ((block_bytes + kLine - 1) / kLine + steps - 1) / steps;
   const char* w_end = reinterpret_cast<const char*>(p.w + p.N * p.K);
   int64_t n = n0;
   for (; n + kColBlock <= n1; n += kColBlock) {
-    const float* w = p.w + n * p.K;
+    const W* w = p.w + n * p.K;
+    const float* scale = p.scale == nullptr ? nullptr : p.scale + n;
     const char* next = n + 2 * kColBlock <= n1 ? reinterpret_cast<const char*>(w) + block_bytes
                                                : reinterpret_cast<const char*>(after);
     Prefetch pf{next, next == nullptr ? nullptr : next + std::min(block_bytes, w_end - next),
@@ -133,19 +158,20 @@ void RunItem(const Problem& p, int64_t item, const float* after) {
     float* y = p.y + m0 * p.N + n;
     int64_t m = m0;
     for (; m + kRowBlock <= m1; m += kRowBlock, x += kRowBlock * p.K, y += kRowBlock * p.N)
-      Block<kRowBlock>(x, w, y, p.K, p.N, pf);
+      Block<kRowBlock>(x, w, scale, y, p.K, p.N, pf);
     switch (m1 - m) {
-      case 3: Block<3>(x, w, y, p.K, p.N, pf); break;
-      case 2: Block<2>(x, w, y, p.K, p.N, pf); break;
-      case 1: Block<1>(x, w, y, p.K, p.N, pf); break;
+      case 3: Block<3>(x, w, scale, y, p.K, p.N, pf); break;
+      case 2: Block<2>(x, w, scale, y, p.K, p.N, pf); break;
+      case 1: Block<1>(x, w, scale, y, p.K, p.N, pf); break;
       default: break;
     }
   }
   for (; n < n1; ++n)  // columns past the last whole block
     for (int64_t m = m0; m < m1; ++m) {
       float s = 0.0f;
-      for (int64_t k = 0; k < p.K; ++k) s += p.x[m * p.K + k] * p.w[n * p.K + k];
-      p.y[m * p.N + n] = s;
+      for (int64_t k = 0; k < p.K; ++k)
+        s += p.x[m * p.K + k] * static_cast<float>(p.w[n * p.K + k]);
+      p.y[m * p.N + n] = Scaled(s, p.scale, n);
     }
 }
 
@@ -182,8 +208,8 @@ constexpr int64_t kChunkK = 128;
 constexpr int64_t kOuterMinRows = 32;
 
 // acc[i][j] (rows 16i.., column j) += xt[k, 16i..] · w[j, k] over k < kc.
-template <int NV, int NC>
-inline void OuterBlock(const float* xt, const float* w, int64_t K, int64_t kc, V16* acc,
+template <int NV, int NC, typename W>
+inline void OuterBlock(const float* xt, const W* w, int64_t K, int64_t kc, V16* acc,
                        Prefetch& pf) {
   V16 a[NV][NC];
 #pragma GCC unroll 16
@@ -199,7 +225,7 @@ inline void OuterBlock(const float* xt, const float* w, int64_t K, int64_t kc, V
     for (int i = 0; i < NV; ++i) xv[i] = *reinterpret_cast<const V16*>(xt + 16 * i);
 #pragma GCC unroll 16
     for (int j = 0; j < NC; ++j) {
-      const float wjk = w[j * K + k];
+      const float wjk = static_cast<float>(w[j * K + k]);
 #pragma GCC unroll 16
       for (int i = 0; i < NV; ++i) a[i][j] += xv[i] * wjk;
     }
@@ -210,8 +236,8 @@ inline void OuterBlock(const float* xt, const float* w, int64_t K, int64_t kc, V
     for (int j = 0; j < NC; ++j) acc[i * kOuterCols + j] = a[i][j];
 }
 
-template <int NV>
-inline void OuterBlockCols(int nc, const float* xt, const float* w, int64_t K, int64_t kc,
+template <int NV, typename W>
+inline void OuterBlockCols(int nc, const float* xt, const W* w, int64_t K, int64_t kc,
                            V16* acc, Prefetch& pf) {
   switch (nc) {
     case 6: OuterBlock<NV, 6>(xt, w, K, kc, acc, pf); break;
@@ -223,11 +249,13 @@ inline void OuterBlockCols(int nc, const float* xt, const float* w, int64_t K, i
   }
 }
 
+template <typename W>
 struct OuterProblem {
   const float* xt;  // [row_blocks][K][kOuterRows]
   int64_t block_rows;  // rows per row block (a multiple of 16, at most kOuterRows)
   int64_t row_blocks;
-  const float* w;
+  const W* w;
+  const float* scale;  // f32[N] for int8 kernels, nullptr for float32 ones
   float* y;
   int64_t M, N, K;
   int64_t col_items;
@@ -239,13 +267,15 @@ struct OuterItem {
 
 // Items run column-major: an item's columns of w (kOuterColsPerItem rows of w,
 // contiguous) serve every row block from L2 before the next columns are read.
-OuterItem OuterItemAt(const OuterProblem& p, int64_t item) {
+template <typename W>
+OuterItem OuterItemAt(const OuterProblem<W>& p, int64_t item) {
   const int64_t n0 = item / p.row_blocks * kOuterColsPerItem;
   return {item % p.row_blocks, n0, std::min(p.N, n0 + kOuterColsPerItem)};
 }
 
 // Runs `item`, prefetching [pf_begin, pf_end) (the next item's columns of w) over its work.
-void RunOuterItem(const OuterProblem& p, const OuterItem& it, const char* pf_begin,
+template <typename W>
+void RunOuterItem(const OuterProblem<W>& p, const OuterItem& it, const char* pf_begin,
                   const char* pf_end) {
   const int64_t m0 = it.rb * p.block_rows, rows = std::min(p.block_rows, p.M - m0);
   const int nv = static_cast<int>((rows + 15) / 16);
@@ -260,7 +290,7 @@ void RunOuterItem(const OuterProblem& p, const OuterItem& it, const char* pf_beg
     const float* xt = xt_block + k0 * kOuterRows;
     for (int64_t b = 0, n = it.n0; n < it.n1; ++b, n += kOuterCols) {
       const int nc = static_cast<int>(std::min<int64_t>(kOuterCols, it.n1 - n));
-      const float* w = p.w + n * p.K + k0;
+      const W* w = p.w + n * p.K + k0;
       switch (nv) {
         case 4: OuterBlockCols<4>(nc, xt, w, p.K, kc, acc[b], pf); break;
         case 3: OuterBlockCols<3>(nc, xt, w, p.K, kc, acc[b], pf); break;
@@ -273,7 +303,8 @@ void RunOuterItem(const OuterProblem& p, const OuterItem& it, const char* pf_beg
     const int64_t nc = std::min<int64_t>(kOuterCols, it.n1 - n);
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t j = 0; j < nc; ++j)
-        p.y[(m0 + r) * p.N + n + j] = acc[b][(r / 16) * kOuterCols + j][r % 16];
+        p.y[(m0 + r) * p.N + n + j] =
+            Scaled(acc[b][(r / 16) * kOuterCols + j][r % 16], p.scale, n + j);
   }
 }
 
@@ -306,10 +337,11 @@ void TransposeRows(const float* x, float* xt, int64_t M, int64_t K, int64_t bloc
   }
 }
 
-ffi::Error MatmulOuter(ffi::ThreadPool& pool, const float* x, const float* w, float* y,
-                       int64_t M, int64_t N, int64_t K) {
+template <typename W>
+ffi::Error MatmulOuter(ffi::ThreadPool& pool, const float* x, const W* w, const float* scale,
+                       float* y, int64_t M, int64_t N, int64_t K) {
   struct Shared {
-    OuterProblem p;
+    OuterProblem<W> p;
     std::unique_ptr<float, decltype(&std::free)> xt{nullptr, &std::free};
     int64_t num_items;
     std::atomic<int64_t> next{0};
@@ -324,15 +356,15 @@ ffi::Error MatmulOuter(ffi::ThreadPool& pool, const float* x, const float* w, fl
   if (xt == nullptr) return ffi::Error(ffi::ErrorCode::kResourceExhausted, "matmul: no memory");
   shared->xt.reset(xt);
   TransposeRows(x, xt, M, K, block_rows, row_blocks);
-  OuterProblem& p = shared->p;
-  p = OuterProblem{xt, block_rows, row_blocks, w, y, M, N, K,
+  OuterProblem<W>& p = shared->p;
+  p = OuterProblem<W>{xt, block_rows, row_blocks, w, scale, y, M, N, K,
                    (N + kOuterColsPerItem - 1) / kOuterColsPerItem};
   shared->num_items = p.col_items * row_blocks;
   // Each thread claims its next item before it runs the current one, and
   // prefetches the next item's columns of w meanwhile (unless the current one
   // already read them).
   auto work = [shared] {
-    const OuterProblem& p = shared->p;
+    const OuterProblem<W>& p = shared->p;
     ForEachItemClaimingAhead(shared->next, shared->num_items, [&](int64_t i, int64_t next) {
       const OuterItem it = OuterItemAt(p, i);
       const char *pf_begin = nullptr, *pf_end = nullptr;
@@ -350,36 +382,35 @@ ffi::Error MatmulOuter(ffi::ThreadPool& pool, const float* x, const float* w, fl
   return ffi::Error::Success();
 }
 
-ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                  ffi::ResultBuffer<ffi::F32> y) {
-  auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2 || xd[1] != wd[1] || yd[0] != xd[0] ||
-      yd[1] != wd[0])
-    return ffi::Error::InvalidArgument("matmul: x [M, K], w [N, K], y [M, N]");
+// y[M, N] = x[M, K] · w[N, K]ᵀ (· scale[N] when scale is not nullptr), either form by M.
+template <typename W>
+ffi::Error MatmulImpl(ffi::ThreadPool& pool, const float* x, const W* w, const float* scale,
+                      float* y, int64_t M, int64_t N, int64_t K) {
   // The outer form's gathers take 32-bit offsets (row · K within 16 rows).
-  if (xd[0] >= kOuterMinRows && xd[1] > 0 && wd[0] > 0 && xd[1] <= INT32_MAX / 16)
-    return MatmulOuter(pool, x.typed_data(), w.typed_data(), y->typed_data(), xd[0], wd[0], xd[1]);
+  if (M >= kOuterMinRows && K > 0 && N > 0 && K <= INT32_MAX / 16)
+    return MatmulOuter<W>(pool, x, w, scale, y, M, N, K);
   struct Shared {
-    Problem p;
+    Problem<W> p;
     int64_t num_items;
     std::atomic<int64_t> next{0};
   };
   auto shared = std::make_shared<Shared>();
-  Problem& p = shared->p;
-  p.x = x.typed_data();
-  p.w = w.typed_data();
-  p.y = y->typed_data();
-  p.M = xd[0];
-  p.K = xd[1];
-  p.N = wd[0];
+  Problem<W>& p = shared->p;
+  p.x = x;
+  p.w = w;
+  p.scale = scale;
+  p.y = y;
+  p.M = M;
+  p.K = K;
+  p.N = N;
   p.col_items = (p.N + kColsPerItem - 1) / kColsPerItem;
   shared->num_items = p.col_items * ((p.M + kRowsPerItem - 1) / kRowsPerItem);
   // Each thread claims its next item before it runs the current one, so that
   // the current one's last block can prefetch the next one's first.
   auto work = [shared] {
-    const Problem& p = shared->p;
+    const Problem<W>& p = shared->p;
     ForEachItemClaimingAhead(shared->next, shared->num_items, [&](int64_t i, int64_t next) {
-      const float* after = nullptr;
+      const W* after = nullptr;
       if (next < shared->num_items) after = p.w + next % p.col_items * kColsPerItem * p.K;
       RunItem(p, i, after);
     });
@@ -388,11 +419,39 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
   return ffi::Error::Success();
 }
 
+ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                  ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2 || xd[1] != wd[1] || yd[0] != xd[0] ||
+      yd[1] != wd[0])
+    return ffi::Error::InvalidArgument("matmul: x [M, K], w [N, K], y [M, N]");
+  return MatmulImpl<float>(pool, x.typed_data(), w.typed_data(), nullptr, y->typed_data(), xd[0],
+                           wd[0], xd[1]);
+}
+
+ffi::Error MatmulI8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
+                    ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions(), wd = w.dimensions(), sd = scale.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || sd.size() != 1 || yd.size() != 2 || xd[1] != wd[1] ||
+      sd[0] != wd[0] || yd[0] != xd[0] || yd[1] != wd[0])
+    return ffi::Error::InvalidArgument("matmul_i8: x [M, K], w [N, K], scale [N], y [M, N]");
+  return MatmulImpl<int8_t>(pool, x.typed_data(), w.typed_data(), scale.typed_data(),
+                            y->typed_data(), xd[0], wd[0], xd[1]);
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmulF32, Matmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmulI8, MatmulI8,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
