@@ -27,6 +27,13 @@ rows ran 11–21 % faster against ``[out, in]`` kernels than against
 within noise at 1 to 8 rows (docs/model.md). Products of fewer than 64 rows on
 the CPU run the C++ kernel ``cpu_kernels.matmul``, which reads that layout too.
 
+Built with ``quantization="int8"`` (weight-only int8, ``jaxserve.model.quantization``),
+every kernel above, the embedding and the LM head are int8 ``[out, in]`` with a
+float32 scale per output channel beside them (``<name>_scale``); ``linear`` then
+runs the C++ int8 product on the CPU (``cpu_kernels.matmul_i8``, any row count)
+and ``(x @ q) * scale`` in jnp elsewhere, and the embedding lookup dequantizes
+only the gathered rows.
+
 Built with a ``mesh`` (tensor parallel over TP devices, ``jaxserve.model.sharding``),
 the fused output features are grouped by device and the model splits them per group;
 the KV write and attention run per device under ``jax.shard_map`` (each device
@@ -48,7 +55,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import cpu_kernels
 
 from jaxserve.config import ModelConfig
-from jaxserve.model import rope
+from jaxserve.model import quantization as quant, rope
 from jaxserve.model.attention import AttentionMetadata, paged_attention, with_schedule
 from jaxserve.model.kv_cache import KVCache, write_kv
 from jaxserve.model.sharding import TP_AXIS, kv_cache_partition_spec, mesh_size
@@ -60,12 +67,38 @@ def _param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: jnp.dtype) -> nnx.Para
     return nnx.Param(_INIT_STD * jax.random.normal(rngs.params(), shape, dtype))
 
 
+def _weight(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: jnp.dtype,
+            quantization: str | None) -> tuple[nnx.Param, nnx.Param | None]:
+    """A random kernel [out, in] and its scale f32[out]: (float kernel, None) unquantized,
+    (int8 kernel, scale) with ``quantization`` "int8"."""
+    if quantization is None:
+        return _param(rngs, shape, dtype), None
+    q, scale = quant.quantize(_INIT_STD * jax.random.normal(rngs.params(), shape, jnp.float32))
+    return nnx.Param(q), nnx.Param(scale)
+
+
 def _xla_linear(x: jax.Array, kernel: jax.Array) -> jax.Array:
     return jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (1,)), ((), ())))
 
 
-def linear(x: jax.Array, kernel: jax.Array, *, tensor_parallel: bool = False) -> jax.Array:
+def _int8_linear(x: jax.Array, q: jax.Array, scale: jax.Array, tensor_parallel: bool) -> jax.Array:
+    if (tensor_parallel or x.dtype != jnp.float32 or jax.default_backend() != "cpu"
+            or not cpu_kernels.available()):
+        return cpu_kernels.matmul_i8_reference(x, q, scale)
+    return jax.lax.platform_dependent(x, q, scale, cpu=cpu_kernels.matmul_i8,
+                                      default=cpu_kernels.matmul_i8_reference)
+
+
+def linear(x: jax.Array, kernel: jax.Array, scale: jax.Array | None = None, *,
+           tensor_parallel: bool = False) -> jax.Array:
     """x [..., in] times a kernel stored [out, in] (``x @ kernel.T``) → [..., out].
+
+    With ``scale`` (f32[out]) the kernel is int8 (weight-only int8,
+    ``jaxserve.model.quantization``) and the product is ``(x @ kernel.T) * scale``:
+    on the CPU, for float32 x at any row count, the C++ kernel
+    ``cpu_kernels.matmul_i8`` (int8 widened in registers); otherwise (a GPU
+    lowering, a tensor-parallel split, another dtype) its jnp form
+    ``cpu_kernels.matmul_i8_reference``.
 
     On the CPU, a float32 product of at most ``cpu_kernels.MATMUL_MAX_ROWS``
     rows runs the C++ kernel (``cpu_kernels.matmul``) where it builds: it reads
@@ -75,6 +108,8 @@ def linear(x: jax.Array, kernel: jax.Array, *, tensor_parallel: bool = False) ->
     The platform is chosen at lowering (``jax.lax.platform_dependent``), so
     lowering for a GPU keeps XLA's product.
     """
+    if scale is not None:
+        return _int8_linear(x, kernel, scale, tensor_parallel)
     rows = math.prod(x.shape[:-1])
     if (tensor_parallel or rows > cpu_kernels.MATMUL_MAX_ROWS or x.dtype != jnp.float32
             or kernel.dtype != jnp.float32 or jax.default_backend() != "cpu"
@@ -115,14 +150,16 @@ class Attention(nnx.Module):
     """Grouped-query self-attention over the paged KV cache."""
 
     def __init__(self, config: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs,
-                 mesh: Mesh | None = None):
+                 mesh: Mesh | None = None, quantization: str | None = None):
         n, k, h, d = config.num_heads, config.num_kv_heads, config.head_dim, config.hidden_size
         self.config = config
         self.mesh = mesh
-        # [(N + 2K)·H, D]: rows [q | k | v] per device group (jaxserve.model.sharding)
-        self.qkv_proj = _param(rngs, ((n + 2 * k) * h, d), dtype)
+        # [(N + 2K)·H, D]: rows [q | k | v] per device group (jaxserve.model.sharding);
+        # int8 with a scale f32[(N + 2K)·H] when quantized (None otherwise), as every kernel
+        self.qkv_proj, self.qkv_proj_scale = _weight(rngs, ((n + 2 * k) * h, d), dtype,
+                                                     quantization)
         self.qkv_bias = nnx.Param(jnp.zeros(((n + 2 * k) * h,), dtype)) if config.attention_bias else None
-        self.o_proj = _param(rngs, (d, n * h), dtype)  # [D, N·H]
+        self.o_proj, self.o_proj_scale = _weight(rngs, (d, n * h), dtype, quantization)  # [D, N·H]
         if config.qk_norm:
             self.q_norm = RMSNorm(h, config.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(h, config.rms_norm_eps, dtype)
@@ -137,7 +174,8 @@ class Attention(nnx.Module):
         n, k, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         g = mesh_size(self.mesh)  # device groups of the fused output features
         t = x.shape[0]
-        qkv = linear(x, self.qkv_proj[...], tensor_parallel=g > 1)  # [T, (N + 2K)·H]
+        qkv = linear(x, self.qkv_proj[...], _value(self.qkv_proj_scale),
+                     tensor_parallel=g > 1)  # [T, (N + 2K)·H]
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias[...]
         qkv = qkv.reshape(t, g, -1)  # [T, TP, (N + 2K)·H / TP]
@@ -157,7 +195,8 @@ class Attention(nnx.Module):
                                    in_specs=(heads, heads, heads, cache, cache, P()),
                                    out_specs=(heads, cache, cache), check_vma=False)
         out, k_cache, v_cache = attend(q, key, value, k_cache, v_cache, metadata)
-        return (linear(out.reshape(t, n * h), self.o_proj[...], tensor_parallel=g > 1),
+        return (linear(out.reshape(t, n * h), self.o_proj[...], _value(self.o_proj_scale),
+                       tensor_parallel=g > 1),
                 k_cache, v_cache)
 
 
@@ -165,29 +204,32 @@ class MLP(nnx.Module):
     """SwiGLU feed-forward (Shazeer, 2020): down(silu(gate(x)) * up(x))."""
 
     def __init__(self, config: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs,
-                 num_groups: int = 1):
+                 num_groups: int = 1, quantization: str | None = None):
         d, f = config.hidden_size, config.intermediate_size
         self.num_groups = num_groups
         # [2F, D]: rows [gate | up] per device group (jaxserve.model.sharding)
-        self.gate_up_proj = _param(rngs, (2 * f, d), dtype)
-        self.down_proj = _param(rngs, (d, f), dtype)  # [D, F]
+        self.gate_up_proj, self.gate_up_proj_scale = _weight(rngs, (2 * f, d), dtype,
+                                                             quantization)
+        self.down_proj, self.down_proj_scale = _weight(rngs, (d, f), dtype, quantization)  # [D, F]
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x: [T, D] → [T, D]."""
         t, g = x.shape[0], self.num_groups
-        gate_up = linear(x, self.gate_up_proj[...], tensor_parallel=g > 1)
+        gate_up = linear(x, self.gate_up_proj[...], _value(self.gate_up_proj_scale),
+                         tensor_parallel=g > 1)
         gate_up = gate_up.reshape(t, g, 2, -1)  # [T, TP, 2, F / TP]
         gate, up = gate_up[:, :, 0].reshape(t, -1), gate_up[:, :, 1].reshape(t, -1)  # [T, F]
-        return linear(jax.nn.silu(gate) * up, self.down_proj[...], tensor_parallel=g > 1)
+        return linear(jax.nn.silu(gate) * up, self.down_proj[...], _value(self.down_proj_scale),
+                      tensor_parallel=g > 1)
 
 
 class DecoderLayer(nnx.Module):
     def __init__(self, config: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs,
-                 mesh: Mesh | None = None):
+                 mesh: Mesh | None = None, quantization: str | None = None):
         self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.attn = Attention(config, dtype, rngs, mesh)
+        self.attn = Attention(config, dtype, rngs, mesh, quantization)
         self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mlp = MLP(config, dtype, rngs, mesh_size(mesh))
+        self.mlp = MLP(config, dtype, rngs, mesh_size(mesh), quantization)
 
     def __call__(self, x, cos, sin, k_cache, v_cache, metadata, backend):
         attn_out, k_cache, v_cache = self.attn(
@@ -197,10 +239,15 @@ class DecoderLayer(nnx.Module):
         return x, k_cache, v_cache
 
 
+def _value(param: nnx.Param | None) -> jax.Array | None:
+    return None if param is None else param[...]
+
+
 def _stacked_layers(config: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs,
-                    mesh: Mesh | None) -> DecoderLayer:
+                    mesh: Mesh | None, quantization: str | None) -> DecoderLayer:
     """One DecoderLayer whose every parameter is the L layers' stacked on axis 0."""
-    layers = [DecoderLayer(config, dtype, rngs, mesh) for _ in range(config.num_layers)]
+    layers = [DecoderLayer(config, dtype, rngs, mesh, quantization)
+              for _ in range(config.num_layers)]
     graphdef, first = nnx.split(layers[0])
     states = [first] + [nnx.state(layer) for layer in layers[1:]]
     return nnx.merge(graphdef, jax.tree.map(lambda *xs: jnp.stack(xs), *states))
@@ -220,27 +267,41 @@ class CausalLM(nnx.Module):
         KV cache must then be stacked too (``init_kv_cache(..., stacked=True)``).
       mesh: the tensor-parallel mesh (``sharding.make_mesh``), None for one
         device; ``config`` is then ``ModelConfig.for_tensor_parallel``'s.
+      quantization: None, or "int8" (``jaxserve.model.quantization.METHODS``):
+        every linear kernel, the embedding and the LM head int8 with a float32
+        scale per output channel.
+
+    Raises:
+      ValueError: an unsupported ``quantization``.
     """
 
     def __init__(self, config: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs,
-                 scan_layers: bool = False, mesh: Mesh | None = None):
+                 scan_layers: bool = False, mesh: Mesh | None = None,
+                 quantization: str | None = None):
+        quant.check_method(quantization)
         self.config = config
         self.scan_layers = scan_layers
         self.mesh = mesh
-        self.embed = _param(rngs, (config.vocab_size, config.hidden_size), dtype)  # [V, D]
-        if scan_layers:
-            self.layers = _stacked_layers(config, dtype, rngs, mesh)  # every parameter [L, ...]
+        v, d = config.vocab_size, config.hidden_size
+        self.embed, self.embed_scale = _weight(rngs, (v, d), dtype, quantization)  # [V, D], [V]
+        if scan_layers:  # every parameter [L, ...]
+            self.layers = _stacked_layers(config, dtype, rngs, mesh, quantization)
         else:
-            self.layers = nnx.List([DecoderLayer(config, dtype, rngs, mesh)
+            self.layers = nnx.List([DecoderLayer(config, dtype, rngs, mesh, quantization)
                                     for _ in range(config.num_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.lm_head = (None if config.tie_word_embeddings
-                        else _param(rngs, (config.vocab_size, config.hidden_size), dtype))  # [V, D]
+        self.lm_head, self.lm_head_scale = (
+            (None, None) if config.tie_word_embeddings
+            else _weight(rngs, (v, d), dtype, quantization))  # [V, D], [V]
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array, kv_cache: KVCache,
                  metadata: AttentionMetadata, backend: str) -> tuple[jax.Array, KVCache]:
         """input_ids, positions: i32[T] → (hidden [T, D] after the final norm, kv_cache)."""
-        x = jnp.take(self.embed[...], input_ids, axis=0)  # [T, D]
+        if self.embed_scale is None:
+            x = jnp.take(self.embed[...], input_ids, axis=0)  # [T, D]
+        else:  # int8: only the gathered rows are dequantized
+            x = quant.embed_lookup(self.embed[...], self.embed_scale[...], input_ids,
+                                   self.norm.weight[...].dtype)
         cos, sin = rope.rope_cos_sin(positions, rope.inverse_frequencies(self.config))
         metadata = with_schedule(metadata, num_tokens=input_ids.shape[0],
                                  num_heads=self.config.num_heads, k_cache=kv_cache.k[0],
@@ -284,8 +345,9 @@ class CausalLM(nnx.Module):
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """hidden [R, D] → f32[R, V] (whole rows on every device of a mesh)."""
-        head = self.embed if self.lm_head is None else self.lm_head  # [V, D] either way
-        out = linear(hidden, head[...], tensor_parallel=mesh_size(self.mesh) > 1)
+        head, scale = ((self.embed, self.embed_scale) if self.lm_head is None
+                       else (self.lm_head, self.lm_head_scale))  # [V, D] either way, [V]
+        out = linear(hidden, head[...], _value(scale), tensor_parallel=mesh_size(self.mesh) > 1)
         out = out.astype(jnp.float32)
         if self.mesh is not None:  # the sampler sees full rows, as with one device
             out = jax.lax.with_sharding_constraint(out, NamedSharding(self.mesh, P()))

@@ -12,6 +12,11 @@ parameter, and the host holds one parameter at a time. With ``scan_layers`` each
 is filled layer by layer into one array (a transient second copy of that one
 parameter, never of the model).
 
+With ``quantization="int8"`` every linear kernel, the embedding and the LM
+head are quantized as they are read (``jaxserve.model.quantization``: int8 plus
+a float32 scale per output channel, computed from the float32 tensor), so the
+full float model is never in memory either.
+
 A model directory may instead hold a parameter checkpoint that
 ``save_model_checkpoint`` wrote (``jaxserve.model.checkpoint``: Orbax, the
 converted parameters of one dtype, layer layout and tensor-parallel size);
@@ -35,7 +40,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.config import ModelConfig
-from jaxserve.model import checkpoint, sharding
+from jaxserve.model import checkpoint, quantization as quant, sharding
 from jaxserve.model.graph import StaticGraph
 from jaxserve.model.llama import CausalLM
 
@@ -170,14 +175,15 @@ class _SafetensorsIndex:
 
 
 def abstract_model(config: ModelConfig, dtype: jnp.dtype, scan_layers: bool = False,
-                   mesh=None) -> tuple[StaticGraph, dict]:
+                   mesh=None, quantization: str | None = None) -> tuple[StaticGraph, dict]:
     """(graph, parameters as a pure dict of ShapeDtypeStructs) of CausalLM, allocating nothing.
 
     With a tensor-parallel ``mesh``, ``config`` is the TP group's
     (``ModelConfig.for_tensor_parallel``) and every spec carries its sharding.
     """
     graphdef, state = nnx.split(nnx.eval_shape(
-        lambda: CausalLM(config, dtype, nnx.Rngs(0), scan_layers=scan_layers, mesh=mesh)))
+        lambda: CausalLM(config, dtype, nnx.Rngs(0), scan_layers=scan_layers, mesh=mesh,
+                         quantization=quantization)))
     params = nnx.to_pure_dict(state)
     if mesh is not None:
         params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
@@ -202,8 +208,8 @@ def _read_param(index: "_SafetensorsIndex", param_path: tuple, dtype: jnp.dtype,
 
 
 def load_model(model_dir: str | os.PathLike | None = None, dtype: str | jnp.dtype = "float32",
-               scan_layers: bool = False, mesh=None, load_format: str = "auto"
-               ) -> tuple[ModelConfig, StaticGraph, dict]:
+               scan_layers: bool = False, mesh=None, load_format: str = "auto",
+               quantization: str | None = None) -> tuple[ModelConfig, StaticGraph, dict]:
     """Loads a Hugging Face Llama-family directory.
 
     Args:
@@ -217,6 +223,9 @@ def load_model(model_dir: str | os.PathLike | None = None, dtype: str | jnp.dtyp
       load_format: "safetensors" (convert the Hugging Face weights), "orbax"
         (restore the directory's parameter checkpoint) or "auto" (the
         checkpoint when the directory has one, else safetensors).
+      quantization: None, or "int8": weight-only int8 quantized at load time
+        (``jaxserve.model.quantization``); a parameter checkpoint must have
+        been saved with the same method.
 
     Returns:
       (config, graph, params): ``graph.merge(params)`` is the model; ``params``
@@ -229,9 +238,11 @@ def load_model(model_dir: str | os.PathLike | None = None, dtype: str | jnp.dtyp
       FileNotFoundError / KeyError: missing files or tensors.
       ValueError: a tensor whose shape does not match the config, a mesh the
         model's heads do not split over (``ModelConfig.for_tensor_parallel``),
-        an unknown ``load_format``, or a checkpoint of another dtype, layer
-        layout or tensor-parallel size (the message names the field).
+        an unknown ``load_format`` or ``quantization``, or a checkpoint of
+        another dtype, layer layout, tensor-parallel size or quantization (the
+        message names the field).
     """
+    quant.check_method(quantization)
     if model_dir is None:
         from jaxserve.demo_model import ensure_demo_model
 
@@ -248,7 +259,7 @@ def load_model(model_dir: str | os.PathLike | None = None, dtype: str | jnp.dtyp
     config = checkpoint_config.for_tensor_parallel(tp)
     has_checkpoint = (path / checkpoint.METADATA_FILE).is_file()
     if load_format == "orbax" or (load_format == "auto" and has_checkpoint):
-        return _restore(path, config, dtype, scan_layers, mesh)
+        return _restore(path, config, dtype, scan_layers, mesh, quantization)
     if has_checkpoint and not any(path.glob("*.safetensors")):
         raise FileNotFoundError(f"{path} holds a jaxserve parameter checkpoint and no "
                                 f"*.safetensors: load it with load_format 'auto' or 'orbax' "
@@ -256,23 +267,36 @@ def load_model(model_dir: str | os.PathLike | None = None, dtype: str | jnp.dtyp
     layout = _FusedLayout(checkpoint_config, config.num_kv_heads, tp)
     start = time.perf_counter()
     graphdef, state = nnx.split(nnx.eval_shape(
-        lambda: CausalLM(config, dtype, nnx.Rngs(0), scan_layers=scan_layers, mesh=mesh)))
+        lambda: CausalLM(config, dtype, nnx.Rngs(0), scan_layers=scan_layers, mesh=mesh,
+                         quantization=quantization)))
     shardings = (None if mesh is None else
                  sharding.param_shardings(nnx.to_pure_dict(state), mesh, config.vocab_size))
     index = _SafetensorsIndex(path)
     # With a mesh, tensors are combined on the host (JAX's CPU device), then each
     # device receives its slice; without, on the default device.
     host = None if mesh is None else jax.local_devices(backend="cpu")[0]
+    abstracts = dict(nnx.to_flat_state(state))
     filled = {}
-    for param_path, abstract in nnx.to_flat_state(state):
+    for param_path, abstract in abstracts.items():
+        name = param_path[-1]
+        if isinstance(name, str) and name.endswith(quant.SCALE_SUFFIX):
+            continue  # filled with its kernel
+        quantized = quantization is not None and name in quant.QUANTIZED_PARAMS
         with jax.default_device(host):
-            value, names = _read_param(index, param_path, dtype, layout, scan_layers)
-        if value.shape != abstract.shape:
-            raise ValueError(
-                f"{'.'.join(map(str, param_path))} from {names}: shape {value.shape}, "
-                f"expected {abstract.shape}")
-        target = None if shardings is None else _at_path(shardings, param_path)
-        filled[param_path] = sharding.place(value, target)
+            value, names = _read_param(index, param_path, jnp.float32 if quantized else dtype,
+                                       layout, scan_layers)
+            values = {param_path: value}
+            if quantized:  # from the float32 tensor: int8 kernel + its scale f32[..., out]
+                scale_path = (*param_path[:-1], name + quant.SCALE_SUFFIX)
+                values[param_path], values[scale_path] = quant.quantize(value)
+        for path, value in values.items():
+            expected = abstracts[path]
+            if value.shape != expected.shape:
+                raise ValueError(
+                    f"{'.'.join(map(str, path))} from {names}: shape {value.shape}, "
+                    f"expected {expected.shape}")
+            target = None if shardings is None else _at_path(shardings, path)
+            filled[path] = sharding.place(value, target)
     state = nnx.from_flat_state([(p, v.replace(filled[p])) for p, v in nnx.to_flat_state(state)])
     params = nnx.to_pure_dict(state)
     logger.info("loaded %s (%s, %d layers, TP=%d) in %.1f s", path, config.architecture,
@@ -284,27 +308,36 @@ def load_model(model_dir: str | os.PathLike | None = None, dtype: str | jnp.dtyp
 KERNEL_LAYOUT = "out_in"
 
 
-def _layout(mesh) -> dict:
-    """What a checkpoint's parameters depend on besides config, dtype and scan_layers."""
-    return {"tensor_parallel_size": sharding.mesh_size(mesh), "kernels": KERNEL_LAYOUT}
+def _layout(mesh, quantization: str | None = None) -> dict:
+    """What a checkpoint's parameters depend on besides config, dtype and scan_layers.
+
+    ``quantization`` is recorded only when set, so checkpoints saved before it
+    existed (float) still match an unquantized restore.
+    """
+    layout = {"tensor_parallel_size": sharding.mesh_size(mesh), "kernels": KERNEL_LAYOUT}
+    if quantization is not None:
+        layout["quantization"] = quantization
+    return layout
 
 
 def _restore(path: pathlib.Path, config: ModelConfig, dtype: jnp.dtype, scan_layers: bool,
-             mesh) -> tuple[ModelConfig, StaticGraph, dict]:
+             mesh, quantization: str | None = None) -> tuple[ModelConfig, StaticGraph, dict]:
     """The directory's parameter checkpoint, restored into the mesh (or onto the default device)."""
     start = time.perf_counter()
     meta = checkpoint.read_metadata(path)
     try:
         checkpoint.check_metadata(meta, config=config, dtype=jnp.dtype(dtype).name,
-                                  scan_layers=scan_layers, layout=_layout(mesh))
+                                  scan_layers=scan_layers, layout=_layout(mesh, quantization))
     except ValueError as err:
-        saved = (meta.get("layout") or {}).get("tensor_parallel_size")
+        saved = meta.get("layout") or {}
         raise ValueError(
-            f"{err}: {path} holds parameters converted for tensor_parallel_size={saved}, "
-            f"dtype={meta.get('dtype')}, scan_layers={meta.get('scan_layers')}; serve it with "
-            f"those (-tp, --dtype, --scan-layers) or convert the model again with `jaxserve "
-            f"save-checkpoint`") from None
-    graph, target = abstract_model(config, dtype, scan_layers, mesh)
+            f"{err}: {path} holds parameters converted for "
+            f"tensor_parallel_size={saved.get('tensor_parallel_size')}, "
+            f"dtype={meta.get('dtype')}, scan_layers={meta.get('scan_layers')}, "
+            f"quantization={saved.get('quantization')}; serve it with "
+            f"those (-tp, --dtype, --scan-layers, --quantization) or convert the model again "
+            f"with `jaxserve save-checkpoint`") from None
+    graph, target = abstract_model(config, dtype, scan_layers, mesh, quantization)
     if mesh is None:
         one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one),
@@ -318,15 +351,16 @@ def _restore(path: pathlib.Path, config: ModelConfig, dtype: jnp.dtype, scan_lay
 
 def save_model_checkpoint(model_dir: str | os.PathLike | None, output_dir: str | os.PathLike,
                           dtype: str = "float32", scan_layers: bool = False, mesh=None,
-                          force: bool = False) -> pathlib.Path:
+                          force: bool = False, quantization: str | None = None) -> pathlib.Path:
     """Converts a Hugging Face directory once and saves it as a servable checkpoint directory.
 
     ``output_dir`` receives the parameter checkpoint (``jaxserve.model.checkpoint``)
     of ``load_model(model_dir, dtype, scan_layers, mesh)`` plus every file of
     ``model_dir`` but the safetensors weights (config, tokenizer, generation
     config), so ``load_model(output_dir, ...)`` / ``jaxserve serve --model
-    output_dir`` restore it — with the same dtype, ``scan_layers`` and
-    tensor-parallel size, which the checkpoint records and the restore checks.
+    output_dir`` restore it — with the same dtype, ``scan_layers``,
+    tensor-parallel size and ``quantization`` (int8 parameters are saved
+    quantized), which the checkpoint records and the restore checks.
 
     Returns:
       ``output_dir`` as a path.
@@ -343,10 +377,11 @@ def save_model_checkpoint(model_dir: str | os.PathLike | None, output_dir: str |
         model_dir = ensure_demo_model()
     model_dir, output_dir = pathlib.Path(model_dir), pathlib.Path(output_dir)
     checkpoint.check_destination(output_dir, force)  # before the conversion, not after
-    config, _, params = load_model(model_dir, dtype, scan_layers, mesh, load_format="safetensors")
+    config, _, params = load_model(model_dir, dtype, scan_layers, mesh, load_format="safetensors",
+                                   quantization=quantization)
     checkpoint.save_params(output_dir, params, config=config,
                            dtype=jnp.dtype(resolve_dtype(dtype)).name, scan_layers=scan_layers,
-                           layout=_layout(mesh), force=force)
+                           layout=_layout(mesh, quantization), force=force)
     for item in sorted(model_dir.iterdir()):
         if item.is_file() and not any(item.match(p) for p in _NOT_COPIED):
             shutil.copy2(item, output_dir / item.name)

@@ -18,6 +18,11 @@ Kernels are stored ``[out, in]`` (``jaxserve.model.llama.linear``).
 - the embedding and the LM head, both ``[V, D]``, are split over the
   vocabulary when TP divides V (else replicated); the logits are gathered to
   full rows before the sampler, so sampling is exactly TP = 1's.
+- weight-only int8 (``jaxserve.model.quantization``): a kernel's scale
+  ``<name>_scale`` f32[out] splits with its kernel's output axis — with
+  ``qkv_proj`` / ``gate_up_proj`` and, over the vocabulary, the embedding's
+  and LM head's — and is replicated for the row-parallel ``o_proj`` /
+  ``down_proj``, whose outputs are not split;
 - norms are replicated; the KV cache ``[B, K, S, H]`` is split over its KV
   heads, and attention runs per device under ``jax.shard_map``.
 
@@ -40,6 +45,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxserve.config import ModelConfig
+from jaxserve.model.quantization import SCALE_SUFFIX
 
 TP_AXIS = "tp"
 
@@ -111,7 +117,11 @@ def param_partition_spec(path: tuple, ndim: int, vocab_size: int, num_shards: in
     """
     name = str(path[-1]) if path[-1] != "weight" else str(path[-2])
     axis = None
-    if name in _COLUMN:
+    if name.endswith(SCALE_SUFFIX):  # f32[out] (or [L, out]): split as its kernel's outputs
+        kernel = name[:-len(SCALE_SUFFIX)]
+        if kernel in _COLUMN or (kernel in ("embed", "lm_head") and vocab_size % num_shards == 0):
+            axis = ndim - 1
+    elif name in _COLUMN:
         axis = ndim - 2
     elif name in _ROW or name in _BIAS:
         axis = ndim - 1

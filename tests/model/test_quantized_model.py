@@ -1,0 +1,166 @@
+"""A weight-only int8 model (``load_model(..., quantization="int8")``) against the float model.
+
+Two checks with different references:
+
+- exactness of the int8 path: the int8 model computes what the float model
+  computes with the dequantized weights (``q · scale``), to float32 round-off —
+  whether its products run the C++ int8 kernel or the jnp form;
+- closeness to the float checkpoint, with a bound from the quantization error:
+  every quantized matrix carries a relative (Frobenius) error ε measured on the
+  loaded weights (~0.7 % for absmax int8 of Gaussian rows); to first order the
+  errors of the M = 2L + 2 matrices on the path (L layers' attention and MLP, the
+  embedding, the LM head) add, each moving the logits by at most ε of their scale
+  in a model whose layers do not amplify (initializer range 0.02, as real
+  checkpoints), so max |Δlogit| <= M·ε·max|logit|. Greedy tokens agree wherever
+  the float model's top-2 gap exceeds twice the measured error.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import cpu_kernels
+from jaxserve.model import quantization as quant
+from jaxserve.model.llama import linear
+from jaxserve.model.loader import load_model, save_model_checkpoint
+from tests.model.hf_tiny import make_tiny_model
+from tests.model.paged_runner import PagedRunner
+
+INIT = 0.02
+
+
+def _dequantized(params: dict) -> dict:
+    """The float model's parameters holding the int8 model's dequantized weights."""
+    out = {}
+    for key, value in params.items():
+        if isinstance(value, dict):
+            out[key] = _dequantized(value)
+        elif isinstance(key, str) and key.endswith(quant.SCALE_SUFFIX):
+            continue
+        elif key in quant.QUANTIZED_PARAMS:
+            out[key] = quant.dequantize(value, params[key + quant.SCALE_SUFFIX])
+        else:
+            out[key] = value
+    return out
+
+
+def _logits(loaded, tokens, backend="cpu"):
+    config, graphdef, state = loaded
+    return PagedRunner(config, graphdef, state, backend=backend).step(
+        {"s": tokens}, all_logits=True)["s"]
+
+
+@pytest.mark.parametrize("arch,scan_layers", [("LlamaForCausalLM", False),
+                                              ("Qwen2ForCausalLM", False),
+                                              ("LlamaForCausalLM", True)],
+                         ids=["llama-untied", "qwen2-tied-bias", "llama-scanned"])
+def test_int8_model_is_the_float_model_with_dequantized_weights(arch, scan_layers, tmp_path):
+    make_tiny_model(arch, tmp_path, initializer_range=INIT)
+    config, graphdef, q_state = loaded = load_model(tmp_path, scan_layers=scan_layers,
+                                                    quantization="int8")
+    leaves = dict(jax.tree_util.tree_flatten_with_path(q_state)[0])
+    dtypes = {jax.tree_util.keystr(p): x.dtype for p, x in leaves.items()}
+    kernels = [k for k in dtypes if k.split("'")[-2] in quant.QUANTIZED_PARAMS]
+    per_layer = 4  # qkv_proj, o_proj, gate_up_proj, down_proj (stacked once when scanned)
+    assert len(kernels) == per_layer * (1 if scan_layers else config.num_layers) + 1 + (
+        not config.tie_word_embeddings), kernels  # + the embedding, + an untied LM head
+    assert all(dtypes[k] == jnp.int8 for k in kernels)
+    assert all(dtypes[k[:-2] + quant.SCALE_SUFFIX + "']"] == jnp.float32 for k in kernels)
+    f_config, f_graphdef, _ = load_model(tmp_path, scan_layers=scan_layers)
+    tokens = np.random.default_rng(0).integers(0, config.vocab_size, 24).tolist()
+    got = _logits(loaded, tokens)
+    want = _logits((f_config, f_graphdef, _dequantized(q_state)), tokens)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM"])
+def test_int8_logits_within_the_quantization_error_of_float(arch, tmp_path):
+    make_tiny_model(arch, tmp_path, initializer_range=INIT)
+    f_loaded = load_model(tmp_path)
+    q_loaded = load_model(tmp_path, quantization="int8")
+    # ε: the largest relative Frobenius error of a quantized matrix
+    deq = jax.tree.leaves(_dequantized(q_loaded[2]))
+    eps = max(float(jnp.linalg.norm(d - f) / jnp.linalg.norm(f))
+              for d, f in zip(deq, jax.tree.leaves(f_loaded[2])) if f.ndim == 2)
+    assert 0 < eps < 0.01  # absmax int8 of Gaussian rows: ~0.7 %
+    config = f_loaded[0]
+    tokens = np.random.default_rng(1).integers(0, config.vocab_size, 32).tolist()
+    want, got = _logits(f_loaded, tokens), _logits(q_loaded, tokens)
+    num_matrices = 2 * config.num_layers + 2
+    err = np.abs(got - want).max()
+    assert err <= num_matrices * eps * np.abs(want).max(), (err, eps, np.abs(want).max())
+    top2 = np.sort(want, axis=-1)[:, -2:]
+    clear = (top2[:, 1] - top2[:, 0]) > 2 * err
+    assert clear.sum() >= len(tokens) // 2, clear.sum()
+    np.testing.assert_array_equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
+
+
+def _lowered(x, q, scale, **kwargs):
+    return jax.jit(lambda a, b, c: linear(a, b, c, **kwargs)).lower(x, q, scale).as_text()
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu" or not cpu_kernels.available(),
+                    reason="the C++ int8 kernel is the CPU's")
+def test_int8_linear_uses_the_kernel_at_every_row_count_on_the_cpu_only():
+    q, scale = jnp.zeros((32, 16), jnp.int8), jnp.ones((32,), jnp.float32)
+    for rows in (1, 7, cpu_kernels.MATMUL_MAX_ROWS + 1, 512):
+        text = _lowered(jnp.zeros((rows, 16), jnp.float32), q, scale)
+        assert cpu_kernels.MATMUL_I8_TARGET in text, rows
+    # a tensor-parallel split keeps the jnp form (XLA partitions it)
+    text = _lowered(jnp.zeros((4, 16), jnp.float32), q, scale, tensor_parallel=True)
+    assert cpu_kernels.MATMUL_I8_TARGET not in text
+    # lowered for a GPU: the jnp form, (x @ q as f32) * scale
+    text = jax.jit(linear).trace(jnp.zeros((4, 16), jnp.float32), q, scale).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert cpu_kernels.MATMUL_I8_TARGET not in text and "dot_general" in text
+
+
+def test_load_model_refuses_an_unknown_method(tmp_path):
+    make_tiny_model("LlamaForCausalLM", tmp_path, initializer_range=INIT)
+    with pytest.raises(ValueError, match="quantization must be one of None, 'int8'; got 'int4'"):
+        load_model(tmp_path, quantization="int4")
+
+
+def test_int8_checkpoint_round_trip_and_refusals(tmp_path):
+    """save-checkpoint records the method: an int8 checkpoint restores the int8 parameters
+    bit for bit and is refused (naming quantization) when served without it, and the
+    other way round."""
+    src, out = tmp_path / "hf", tmp_path / "ckpt"
+    make_tiny_model("LlamaForCausalLM", src, initializer_range=INIT)
+    save_model_checkpoint(src, out, quantization="int8")
+    _, _, restored = load_model(out, quantization="int8")
+    _, _, converted = load_model(src, quantization="int8")
+    for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(converted)):
+        assert a.dtype == b.dtype and np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    with pytest.raises(ValueError, match="quantization=int8"):
+        load_model(out)
+    save_model_checkpoint(src, tmp_path / "float")
+    with pytest.raises(ValueError, match="quantization=None"):
+        load_model(tmp_path / "float", quantization="int8")
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM"])
+def test_int8_tensor_parallel_matches_one_device(arch, tmp_path):
+    """TP = 2: every scale is split with its kernel's outputs (or replicated for the
+    row-parallel o_proj / down_proj) and the logits are TP = 1's to float32 round-off."""
+    from jaxserve.model import sharding
+
+    assert len(jax.devices()) >= 2
+    make_tiny_model(arch, tmp_path, initializer_range=INIT, num_attention_heads=8,
+                    num_key_value_heads=2, intermediate_size=128)
+    tokens = np.random.default_rng(2).integers(0, 256, 20).tolist()
+    one = _logits(load_model(tmp_path, quantization="int8"), tokens, backend="reference")
+    mesh = sharding.make_mesh(2)
+    config, graphdef, state = load_model(tmp_path, mesh=mesh, quantization="int8")
+    got = PagedRunner(config, graphdef, state, mesh=mesh).step({"s": tokens},
+                                                                all_logits=True)["s"]
+    np.testing.assert_allclose(got, one, rtol=0, atol=1e-5 * max(1.0, np.abs(one).max()))
+    layer = state["layers"][0]
+    split, whole = sharding.TP_AXIS, None
+    for module, name, axis in (("attn", "qkv_proj_scale", split), ("mlp", "gate_up_proj_scale", split),
+                               ("attn", "o_proj_scale", whole), ("mlp", "down_proj_scale", whole)):
+        spec = layer[module][name].sharding.spec
+        assert (spec[-1] if len(spec) else None) == axis, (name, spec)
+    assert state["embed"].dtype == jnp.int8
+    assert state["embed_scale"].sharding.spec[-1] == split  # V = 256 splits over 2
