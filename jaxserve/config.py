@@ -24,6 +24,17 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
 )
 
+# Weight quantization methods (vLLM's ``quantization`` setting; jaxserve.model.quantization).
+QUANTIZATION_METHODS = ("int8",)
+
+
+def check_quantization(quantization: str | None, field: str = "quantization") -> None:
+    """Raises ValueError (one line, naming ``field`` and the supported values) for an
+    unsupported quantization method; None (unquantized) and ``QUANTIZATION_METHODS`` pass."""
+    if quantization is not None and quantization not in QUANTIZATION_METHODS:
+        raise ValueError(f"{field} must be one of None, "
+                         f"{', '.join(map(repr, QUANTIZATION_METHODS))}; got {quantization!r}")
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class RopeScaling:

@@ -81,6 +81,8 @@ class LLM:
       tensor_parallel_size: devices the model and KV cache are split over
         (docs/scale_out.md); the model's heads must split over them.
       load_format: "auto", "safetensors" or "orbax" (``WorkerInit.load_format``).
+      quantization: None, or "int8" (vLLM's argument): weight-only int8 quantized
+        at load time, a float32 scale per output channel (docs/model.md).
       compilation_cache_dir: JAX's persistent compilation cache directory;
         None = JAX's setting (``JAX_COMPILATION_CACHE_DIR`` or
         ``jax.config``) when there is one, else ``$JAXSERVE_CACHE/jax_cache``
@@ -115,7 +117,7 @@ class LLM:
                  attention_backend: str | None = None, seed: int = 0,
                  async_scheduling: bool = True, scan_layers: bool = False,
                  tensor_parallel_size: int = 1, load_format: str = "auto",
-                 compilation_cache_dir: str | None = None,
+                 quantization: str | None = None, compilation_cache_dir: str | None = None,
                  strict_recompile: bool = False, generation_config: str = "auto",
                  worker: Any = None):
         from jaxserve.demo_model import resolve_model_path
@@ -139,7 +141,7 @@ class LLM:
                               enable_prefix_caching=enable_prefix_caching),
             attention_backend=attention_backend, seed=seed, async_scheduling=async_scheduling,
             scan_layers=scan_layers, tensor_parallel_size=tensor_parallel_size,
-            load_format=load_format,
+            load_format=load_format, quantization=quantization,
             compile=CompileConfig(cache_dir=compilation_cache_dir,
                                   strict_recompile=strict_recompile))
         if worker is None or worker == "in_process":

@@ -75,7 +75,7 @@ def init_to_proto(init: WorkerInit) -> wpb.InitializeRequest:
         scan_layers=init.scan_layers, tensor_parallel_size=init.tensor_parallel_size,
         load_format=init.load_format)
     for field in ("model", "num_kv_blocks", "kv_cache_bytes", "max_model_len",
-                  "attention_backend", "compilation_cache_dir"):
+                  "attention_backend", "compilation_cache_dir", "quantization"):
         value = getattr(init, field)
         if value is not None:
             setattr(msg, field, value)
@@ -93,7 +93,8 @@ def init_from_proto(msg: wpb.InitializeRequest) -> WorkerInit:
         memory_utilization=msg.memory_utilization, precompile=msg.precompile,
         strict_recompile=msg.strict_recompile,
         compilation_cache_dir=opt("compilation_cache_dir"), scan_layers=msg.scan_layers,
-        tensor_parallel_size=msg.tensor_parallel_size or 1, load_format=msg.load_format or "auto")
+        tensor_parallel_size=msg.tensor_parallel_size or 1, load_format=msg.load_format or "auto",
+        quantization=opt("quantization"))
 
 
 def geometry_to_proto(g: Geometry) -> wpb.Geometry:

@@ -89,6 +89,8 @@ class WorkerInit:
       load_format: "auto", "safetensors" or "orbax" (``jaxserve.model.loader``:
         convert the Hugging Face weights, or restore the directory's
         parameter checkpoint; auto = the checkpoint when there is one).
+      quantization: None, or "int8": weight-only int8 quantized at load time
+        (``jaxserve.model.quantization``).
     """
 
     model: str | None
@@ -109,6 +111,7 @@ class WorkerInit:
     scan_layers: bool = False
     tensor_parallel_size: int = 1
     load_format: str = "auto"
+    quantization: str | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -41,7 +41,7 @@ from jaxserve.proto import engine_pb2 as epb
 
 # EngineInfo fields every replica must agree on (the api validates and tokenizes once).
 _SHARED_INFO_FIELDS = ("model", "dtype", "block_size", "max_model_len", "vocab_size",
-                       "eos_token_ids", "max_num_seqs", "max_num_batched_tokens")
+                       "eos_token_ids", "max_num_seqs", "max_num_batched_tokens", "quantization")
 
 
 def sum_stats(stats: Sequence[EngineStats]) -> EngineStats:

@@ -72,7 +72,8 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
             model=self.runner.model_name, max_model_len=info.max_model_len,
             vocab_size=info.vocab_size, block_size=info.block_size,
             num_kv_blocks_free=stats.kv_blocks_total - stats.kv_blocks_used,
-            num_kv_blocks_total=stats.kv_blocks_total, eos_token_ids=info.eos_token_ids)
+            num_kv_blocks_total=stats.kv_blocks_total, eos_token_ids=info.eos_token_ids,
+            quantization=info.quantization)
 
     async def Tokenize(self, request: pb.TokenizeRequest,
                        context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:

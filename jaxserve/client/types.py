@@ -218,7 +218,8 @@ class GenerateResult:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ModelInfo:
-    """``GetModelInfo``: the served model and KV-cache occupancy (lengths in tokens)."""
+    """``GetModelInfo``: the served model and KV-cache occupancy (lengths in tokens);
+    ``quantization`` is the weights' method ("int8"), "" when unquantized."""
 
     model: str
     max_model_len: int
@@ -227,6 +228,7 @@ class ModelInfo:
     num_kv_blocks_free: int
     num_kv_blocks_total: int
     eos_token_ids: tuple[int, ...]
+    quantization: str = ""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -314,7 +316,8 @@ def delta_from_proto(response: pb.GenerateResponse) -> StreamDelta:
 def model_info_from_proto(response: pb.GetModelInfoResponse) -> ModelInfo:
     return ModelInfo(response.model, response.max_model_len, response.vocab_size,
                      response.block_size, response.num_kv_blocks_free,
-                     response.num_kv_blocks_total, tuple(response.eos_token_ids))
+                     response.num_kv_blocks_total, tuple(response.eos_token_ids),
+                     response.quantization)
 
 
 class ResultBuilder:

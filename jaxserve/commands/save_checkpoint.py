@@ -1,11 +1,12 @@
 """``jaxserve save-checkpoint``: convert a model once into a parameter checkpoint directory.
 
 Loads the Hugging Face directory (``--model``, default the demo model) as the
-worker would — ``--dtype``, ``--scan-layers``, ``--tensor-parallel-size`` —
+worker would — ``--dtype``, ``--scan-layers``, ``--tensor-parallel-size``,
+``--quantization`` —
 and writes ``--output``: an Orbax checkpoint of the converted parameters plus
 the model's config, tokenizer and generation config
 (``jaxserve.model.loader.save_model_checkpoint``). ``jaxserve serve --model
-OUTPUT`` (same dtype, layer layout and tensor-parallel size) then restores it
+OUTPUT`` (same dtype, layer layout, tensor-parallel size and quantization) then restores it
 straight into its shardings instead of converting the safetensors.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import logging
 
+from jaxserve.config import QUANTIZATION_METHODS
 from jaxserve.engine.service import positive_int
 
 logger = logging.getLogger(__name__)
@@ -29,6 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="stack the layers (for a server run with --scan-layers)")
     parser.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1,
                         help="the tensor-parallel size the checkpoint is for (default 1)")
+    parser.add_argument("--quantization", "-q", choices=QUANTIZATION_METHODS, default=None,
+                        help="save the weights quantized (int8: weight-only int8, for a "
+                             "server run with --quantization int8); the checkpoint records it")
     parser.add_argument("--force", action="store_true",
                         help="replace a checkpoint already in --output")
 
@@ -43,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         mesh = make_mesh(args.tensor_parallel_size)
         out = save_model_checkpoint(args.model, args.output, args.dtype, args.scan_layers, mesh,
-                                    force=args.force)
+                                    force=args.force, quantization=args.quantization)
     except (FileNotFoundError, FileExistsError, ValueError) as err:
         logger.error("%s", err)
         return 1

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxserve.config import check_quantization
 from jaxserve.step_plan import Geometry, WorkerInit
 
 # The parameter dtypes every attention backend serves: the CPU kernel (bfloat16
@@ -170,6 +171,8 @@ class EngineConfig:
       tensor_parallel_size: devices the worker splits the model over
         (``WorkerInit.tensor_parallel_size``).
       load_format: how the worker reads the weights (``WorkerInit.load_format``).
+      quantization: None (the checkpoint's weights) or "int8" (vLLM's flag:
+        weight-only int8 quantized at load time, ``WorkerInit.quantization``).
       eos_token_ids: filled from the worker's geometry by ``resolved``.
     """
 
@@ -185,6 +188,7 @@ class EngineConfig:
     scan_layers: bool = False
     tensor_parallel_size: int = 1
     load_format: str = "auto"
+    quantization: str | None = None
     eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
@@ -197,6 +201,7 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {', '.join(SERVED_DTYPES)} or auto, got "
                              f"{self.dtype!r} (float16 is not served: the GPU attention "
                              f"kernel takes float32 and bfloat16 only)")
+        check_quantization(self.quantization)
 
     def worker_init(self) -> WorkerInit:
         """The ``initialize`` request for the worker."""
@@ -210,7 +215,8 @@ class EngineConfig:
             memory_utilization=self.cache.memory_utilization,
             precompile=self.compile.precompile, strict_recompile=self.compile.strict_recompile,
             compilation_cache_dir=self.compile.cache_dir, scan_layers=self.scan_layers,
-            tensor_parallel_size=self.tensor_parallel_size, load_format=self.load_format)
+            tensor_parallel_size=self.tensor_parallel_size, load_format=self.load_format,
+            quantization=self.quantization)
 
     def resolved(self, geometry: Geometry) -> "EngineConfig":
         """A new config with the worker's geometry filled in.

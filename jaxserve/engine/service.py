@@ -53,6 +53,7 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from jaxserve.config import QUANTIZATION_METHODS
 from jaxserve.engine.config import AUTO_DTYPE, SERVED_DTYPES, CacheConfig, EngineConfig, SchedulerConfig
 from jaxserve.engine.core import EngineCore
 from jaxserve.engine.grpc_worker import GrpcWorker, start_worker_process
@@ -168,7 +169,8 @@ def engine_info(core: EngineCore) -> epb.EngineInfo:
         model=cfg.model or "", dtype=cfg.dtype, num_kv_blocks=geo.num_kv_blocks,
         block_size=geo.block_size, max_model_len=geo.max_model_len, vocab_size=geo.vocab_size,
         eos_token_ids=list(geo.eos_token_ids), max_num_seqs=cfg.scheduler.max_num_seqs,
-        max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens)
+        max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens,
+        quantization=cfg.quantization or "")
 
 
 class EngineServer:
@@ -295,6 +297,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="safetensors = convert the Hugging Face weights; orbax = restore "
                              "the parameter checkpoint `jaxserve save-checkpoint` wrote into the "
                              "model directory; auto = the checkpoint when there is one")
+    parser.add_argument("--quantization", "-q", choices=QUANTIZATION_METHODS, default=None,
+                        help="quantize the weights at load time (vLLM's flag): int8 = "
+                             "weight-only int8 with a float32 scale per output channel "
+                             "(docs/model.md); default: the checkpoint's weights as they are")
     parser.add_argument("--max-worker-restarts", type=_non_negative_int, default=3,
                         help="worker processes the engine may start to replace a dead or hung "
                              "one, in its life (default 3; 0 = a worker failure is final)")
@@ -367,6 +373,8 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
         flags.append("--scan-layers")
     flags += ["--tensor-parallel-size", str(args.tensor_parallel_size),
               "--load-format", args.load_format]
+    if args.quantization is not None:
+        flags += ["--quantization", args.quantization]
     flags += ["--max-worker-restarts", str(args.max_worker_restarts),
               "--step-timeout", repr(args.step_timeout)]
     return flags
@@ -386,7 +394,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                           **({} if args.kv_cache_bytes is None
                              else {"kv_cache_bytes": args.kv_cache_bytes})),
         seed=args.seed, async_scheduling=args.async_scheduling, scan_layers=args.scan_layers,
-        tensor_parallel_size=args.tensor_parallel_size, load_format=args.load_format)
+        tensor_parallel_size=args.tensor_parallel_size, load_format=args.load_format,
+        quantization=args.quantization)
 
 
 def _make_worker(args: argparse.Namespace):

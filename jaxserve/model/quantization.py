@@ -29,21 +29,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-# The values of EngineConfig.quantization / LLM(quantization=...) / --quantization.
-METHODS = ("int8",)
+# The values of EngineConfig.quantization / LLM(quantization=...) / --quantization, and
+# their check (jax-free, in jaxserve.config, for the engine and api processes).
+from jaxserve.config import QUANTIZATION_METHODS as METHODS, check_quantization as check_method
 # A quantized kernel ``name``'s scale parameter is ``name + SCALE_SUFFIX``.
 SCALE_SUFFIX = "_scale"
 # The parameters quantized (their names in the parameter pytree).
 QUANTIZED_PARAMS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "embed", "lm_head")
 _QMAX = 127
-
-
-def check_method(quantization: str | None, field: str = "quantization") -> None:
-    """Raises ValueError (one line, naming ``field`` and the supported values) for an
-    unsupported method; None (no quantization) and the ``METHODS`` pass."""
-    if quantization is not None and quantization not in METHODS:
-        raise ValueError(f"{field} must be one of None, {', '.join(map(repr, METHODS))}; "
-                         f"got {quantization!r}")
 
 
 def quantize(w: jax.Array) -> tuple[jax.Array, jax.Array]:

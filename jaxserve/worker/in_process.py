@@ -57,6 +57,7 @@ import threading
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
@@ -200,11 +201,16 @@ class InProcessWorker:
         self.placement = sharding.replicated(self.mesh)  # rows, tokens, the step's buffer
         if self._loaded is None:
             self._loaded = load_model(init.model, init.dtype, scan_layers=init.scan_layers,
-                                      mesh=self.mesh, load_format=init.load_format)
+                                      mesh=self.mesh, load_format=init.load_format,
+                                      quantization=init.quantization)
         config, self.graphdef, self.state = self._loaded
         if is_scanned(self.state) != init.scan_layers:
             raise ValueError(f"scan_layers={init.scan_layers} but the given model was loaded "
                              f"with scan_layers={is_scanned(self.state)}")
+        loaded_int8 = any(x.dtype == jnp.int8 for x in jax.tree.leaves(self.state))
+        if loaded_int8 != (init.quantization == "int8"):
+            raise ValueError(f"quantization={init.quantization} but the given model was loaded "
+                             f"{'with' if loaded_int8 else 'without'} int8 weights")
         loaded_tp = len(jax.tree.leaves(self.state)[0].sharding.device_set)
         if loaded_tp != init.tensor_parallel_size:
             raise ValueError(f"tensor_parallel_size={init.tensor_parallel_size} but the given "

@@ -44,3 +44,26 @@ def test_the_demo_ladder_is_decode_and_the_budget():
     demo.add_arguments(parser)
     args = parser.parse_args([])
     assert (args.max_num_seqs, args.max_num_batched_tokens, args.token_buckets) == (1, 64, ())
+
+
+@pytest.mark.parametrize("flag", ["--quantization", "-q"])
+def test_quantization_reaches_the_engine_process_and_the_worker(flag):
+    args = _parse(flag, "int8")
+    config = engine_config(args)
+    assert config.quantization == "int8" and config.worker_init().quantization == "int8"
+    assert engine_config(_parse(*engine_flags(args))).quantization == "int8"
+    default = _parse()
+    assert "--quantization" not in engine_flags(default)
+    assert engine_config(default).quantization is None
+    assert engine_config(default).worker_init().quantization is None
+    with pytest.raises(SystemExit):  # argparse: "invalid choice", exit 2
+        _parse(flag, "fp8")
+
+
+@pytest.mark.parametrize("bad", ["fp8", "INT8", "gptq", ""])
+def test_engine_config_refuses_an_unsupported_quantization_in_one_line(bad):
+    from jaxserve.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match=r"^quantization must be one of None, 'int8'; got ") as err:
+        EngineConfig(quantization=bad)
+    assert "\n" not in str(err.value)

@@ -104,12 +104,12 @@ def test_init_geometry_and_status_round_trip():
                       token_buckets=(1, 4, 8), request_buckets=(1, 2, 64),
                       attention_backend="reference", seed=2**65 + 1, memory_utilization=0.5,
                       precompile=False, strict_recompile=True, compilation_cache_dir="/c",
-                      scan_layers=True)
+                      scan_layers=True, quantization="int8")
     _assert_same(init, plan_codec.init_from_proto(_wire(plan_codec.init_to_proto(init),
                                                         wpb.InitializeRequest)))
     bare = dataclasses.replace(init, model=None, kv_cache_bytes=None, num_kv_blocks=9,
                                max_model_len=128, attention_backend=None,
-                               compilation_cache_dir=None, scan_layers=False)
+                               compilation_cache_dir=None, scan_layers=False, quantization=None)
     _assert_same(bare, plan_codec.init_from_proto(_wire(plan_codec.init_to_proto(bare),
                                                         wpb.InitializeRequest)))
     status = WorkerStatus(True, "cpu", 22, 3.5, 20, 1, 99)

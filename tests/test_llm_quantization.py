@@ -1,0 +1,84 @@
+"""``LLM(quantization="int8")``, ``jaxserve save-checkpoint -q int8`` and what reports the method.
+
+A tiny random-weight Llama (initializer range 0.02, as real checkpoints). The
+int8 LLM's greedy first tokens are the argmax of the int8 model's logits run
+through the worker's step body (``tests/model/test_quantized_model.py`` checks
+those logits against the float model); a checkpoint saved with ``-q int8``
+restores into an int8 LLM with the same tokens, and is refused without it.
+Prompts are token ids (the demo tokenizer only detokenizes; V is 256).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import types
+
+import numpy as np
+import pytest
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.client.types import model_info_from_proto
+from jaxserve.engine.config import EngineConfig
+from jaxserve.engine.service import engine_info
+from jaxserve.model.loader import load_model
+from jaxserve.proto import generate_pb2 as pb
+from jaxserve.step_plan import Geometry
+from tests.model.hf_tiny import make_tiny_model
+from tests.model.paged_runner import PagedRunner
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+
+def _generate(model_dir, tokenizer_dir, prompts, **kwargs):
+    with LLM(str(model_dir), tokenizer=str(tokenizer_dir), max_num_seqs=4,
+             max_num_batched_tokens=32, max_model_len=128, strict_recompile=True,
+             token_buckets=(8, 32), request_buckets=(4,), **kwargs) as llm:
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tiny_int8")
+    make_tiny_model("LlamaForCausalLM", directory, initializer_range=0.02)
+    rng = np.random.default_rng(11)
+    return directory, [rng.integers(1, 256, n).tolist() for n in (5, 19, 30)]
+
+
+def test_int8_llm_generates_the_int8_models_greedy_tokens(tiny, demo_model_dir, tmp_path):
+    directory, prompts = tiny
+    got = _generate(directory, demo_model_dir, [{"prompt_token_ids": p} for p in prompts],
+                    quantization="int8")
+    assert all(len(t) == GREEDY.max_tokens and all(0 <= i < 256 for i in t) for t in got)
+    config, graphdef, state = load_model(directory, quantization="int8")
+    runner = PagedRunner(config, graphdef, state, backend="cpu")
+    logits = runner.step({f"s{i}": p for i, p in enumerate(prompts)})
+    assert [t[0] for t in got] == [int(logits[f"s{i}"].argmax()) for i in range(len(prompts))]
+
+    # save-checkpoint -q int8 records the method: served with it, the same tokens
+    out = tmp_path / "ckpt"
+    proc = subprocess.run([sys.executable, "-m", "jaxserve", "save-checkpoint", "--model",
+                           str(directory), "--output", str(out), "-q", "int8"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert _generate(out, demo_model_dir, [{"prompt_token_ids": p} for p in prompts],
+                     quantization="int8") == got
+    with pytest.raises(ValueError, match="quantization=int8"):  # served without it: refused
+        _generate(out, demo_model_dir, [{"prompt_token_ids": prompts[0]}])
+
+
+def test_llm_refuses_an_unsupported_quantization_in_one_line(tiny, demo_model_dir):
+    directory, _ = tiny
+    with pytest.raises(ValueError, match=r"^quantization must be one of None, 'int8'; got 'awq'$"):
+        LLM(str(directory), tokenizer=str(demo_model_dir), quantization="awq")
+
+
+def test_engine_and_model_info_report_the_quantization():
+    geometry = Geometry(num_kv_blocks=9, block_size=16, max_model_len=64, vocab_size=256,
+                        eos_token_ids=(0,))
+    for method, reported in (("int8", "int8"), (None, "")):
+        core = types.SimpleNamespace(config=EngineConfig(model="/m", quantization=method),
+                                     geometry=geometry)
+        assert engine_info(core).quantization == reported
+    info = model_info_from_proto(pb.GetModelInfoResponse(model="m", quantization="int8"))
+    assert info.quantization == "int8"
