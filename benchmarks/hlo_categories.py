@@ -169,10 +169,11 @@ def _is_sampler(i: Instruction) -> bool:
 
 
 def _is_product(i: Instruction) -> bool:
-    """A dot, or the C++ CPU product's custom call (``cpu_kernels.matmul``)."""
+    """A dot, or a C++ CPU product's custom call (``cpu_kernels.matmul`` / ``matmul_i8``)."""
     return i.opcode in ("dot", "convolution") or (
         i.opcode == "custom-call" and i.frame is not None
-        and i.frame[0].endswith("cpu_kernels/__init__.py") and i.frame[1] == "matmul")
+        and i.frame[0].endswith("cpu_kernels/__init__.py")
+        and i.frame[1] in ("matmul", "matmul_i8"))
 
 
 _TRIVIAL = frozenset(("parameter", "constant", "bitcast", "get-tuple-element", "tuple"))

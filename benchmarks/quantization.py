@@ -1,0 +1,151 @@
+"""Weight-only int8 against float32: perplexity of a fixed text and decode tokens/s, side by side.
+
+Run: ``python -m benchmarks.quantization [--model DIR] [--new-tokens N]`` (default: the
+demo model; about two minutes on the 2-core CPU).
+
+For each of float32 and int8 (``quantization="int8"``, ``jaxserve.model.quantization``):
+
+- **perplexity** of ``TEXT`` (a fixed English paragraph, ~250 tokens of the demo
+  tokenizer): one prefill of the whole text through the worker's step body
+  (``run_body_logits``, the served model code), ``exp(-mean log p(token_i |
+  tokens_<i))`` over every token but the first. The delta int8 − float32 is the
+  quality cost of the quantization on this text.
+- **decode tokens/s** at batch 1 and 16: ``jaxserve.LLM`` (greedy,
+  ``ignore_eos``), after a warm-up generation, times ``generate`` of B short
+  prompts (8 tokens) × ``--new-tokens`` tokens each; tokens/s = B ×
+  new tokens / wall time (prefill of the short prompts included).
+
+Also reported: the parameter bytes of each (int8 kernels + float32 scales against
+float32). Writes ``<results>/quantization.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import time
+from typing import Any
+
+from benchmarks import common
+
+logger = logging.getLogger(__name__)
+
+NAME = "quantization"
+METHODS = (None, "int8")
+TEXT = (
+    "The history of the printing press begins in the fifteenth century, when Johannes "
+    "Gutenberg combined a screw press, oil-based ink and movable metal type into a system "
+    "that could produce books far faster than any scribe. Within a few decades print shops "
+    "had opened in more than two hundred European cities. Books became cheaper, literacy "
+    "spread, and scholars could compare identical copies of the same text for the first "
+    "time. Historians still debate how much the press changed the pace of the scientific "
+    "revolution, but few doubt that it changed how ideas travelled. Pamphlets carried "
+    "arguments across borders in weeks rather than years, and printed tables of numbers, "
+    "maps and diagrams could be reproduced without the copying errors that had crept into "
+    "manuscripts. Today the same questions are asked about the internet: whether making "
+    "information abundant makes people wiser, or only busier, and how a society decides "
+    "which of the many voices it hears deserve to be trusted.")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    common.add_common_arguments(parser)
+    parser.add_argument("--new-tokens", type=int, default=32,
+                        help="tokens each request generates in the timed runs (default 32)")
+    parser.add_argument("--batches", type=int, nargs="+", default=(1, 16),
+                        help="batch sizes timed (default 1 16)")
+
+
+def perplexity(loaded, token_ids: list[int], block_size: int = 16) -> float:
+    """exp of the mean negative log-likelihood of ``token_ids[1:]``, one prefill step."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxserve.model.attention import default_backend
+    from jaxserve.model.kv_cache import NULL_BLOCK, init_kv_cache
+    from jaxserve.worker.inputs import StepLayout, pack
+    from jaxserve.worker.model_runner import run_body_logits
+
+    config, graphdef, state = loaded
+    n = len(token_ids)
+    num_blocks = -(-n // block_size)
+    cache = init_kv_cache(config, num_blocks + 1, block_size, jnp.float32)
+    block_table = jnp.full((2, num_blocks), NULL_BLOCK, jnp.int32)  # row 0 + the padding row
+    layout = StepLayout.for_bucket(n, 1, block_size)
+    i32 = lambda x: np.asarray(x, np.int32)  # noqa: E731
+    buffer = pack(layout, seed=0, step_id=0, input_ids=i32(token_ids), rows=i32([0]),
+                  num_computed=i32([0]), num_tokens=i32([n]), sample=i32([0]),
+                  append_rows=i32([0] * num_blocks), append_index=i32(range(num_blocks)),
+                  append_blocks=i32(range(1, num_blocks + 1)))
+    logits, _, _ = run_body_logits(graphdef, state, cache, block_table, jnp.zeros(2, jnp.int32),
+                                   jnp.asarray(buffer), layout=layout,
+                                   backend=default_backend(config.head_dim))
+    logp = jax.nn.log_softmax(np.asarray(logits, np.float64)[:n - 1], axis=-1)
+    nll = -np.asarray(logp)[np.arange(n - 1), token_ids[1:]].mean()
+    return float(math.exp(nll))
+
+
+def decode_tokens_per_s(model_dir: str, tokenizer: str | None, quantization: str | None,
+                        batches: tuple[int, ...], new_tokens: int) -> dict[str, float]:
+    """{"batch_<B>": tokens/s} of ``jaxserve.LLM`` generating ``new_tokens`` per request."""
+    from jaxserve import LLM, SamplingParams
+
+    top = max(batches)
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    out = {}
+    with LLM(model_dir, tokenizer=tokenizer, quantization=quantization, max_num_seqs=top,
+             max_num_batched_tokens=max(8 * top, 16), max_model_len=256) as llm:
+        prompt = llm.get_tokenizer().encode(" The quick brown fox jumps over the")[:8]
+        llm.generate([{"prompt_token_ids": prompt}] * top, params, use_tqdm=False)  # warm-up
+        for b in batches:
+            prompts = [{"prompt_token_ids": prompt[:7] + [prompt[-1] + i]} for i in range(b)]
+            start = time.perf_counter()
+            llm.generate(prompts, params, use_tqdm=False)
+            out[f"batch_{b}"] = b * new_tokens / (time.perf_counter() - start)
+    return out
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    common.use_compilation_cache()
+    from transformers import AutoTokenizer
+
+    from jaxserve.model.loader import load_model, param_bytes
+
+    model_dir = str(common.resolve_model(args.model))
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or model_dir)
+    token_ids = tokenizer.encode(TEXT)
+    result: dict[str, Any] = {"args": vars(args), "text_tokens": len(token_ids), "methods": {}}
+    for method in METHODS:
+        name = method or "float32"
+        loaded = load_model(model_dir, "float32", quantization=method)
+        entry = {"param_bytes": param_bytes(loaded[2]),
+                 "perplexity": perplexity(loaded, token_ids)}
+        del loaded
+        entry["tokens_per_s"] = decode_tokens_per_s(model_dir, args.tokenizer, method,
+                                                    tuple(args.batches), args.new_tokens)
+        result["methods"][name] = entry
+        logger.info("%s: %s", name, entry)
+    f32, i8 = result["methods"]["float32"], result["methods"]["int8"]
+    result["perplexity_delta"] = i8["perplexity"] - f32["perplexity"]
+    result["speedup"] = {k: i8["tokens_per_s"][k] / f32["tokens_per_s"][k]
+                         for k in f32["tokens_per_s"]}
+    result["environment"] = common.environment()
+    return result
+
+
+def main(argv=None) -> int:
+    _, result, path = common.run_cli(NAME, __doc__, add_arguments, run, argv)
+    print(f"{'':10} {'params MB':>10} {'perplexity':>11} "
+          + " ".join(f"{k + ' tok/s':>14}" for k in result["methods"]["float32"]["tokens_per_s"]))
+    for name, entry in result["methods"].items():
+        print(f"{name:10} {entry['param_bytes'] / 1e6:10.1f} {entry['perplexity']:11.3f} "
+              + " ".join(f"{v:14.1f}" for v in entry["tokens_per_s"].values()))
+    print(f"perplexity delta (int8 - float32): {result['perplexity_delta']:+.4f}; "
+          f"speed-up: {', '.join(f'{k} {v:.2f}x' for k, v in result['speedup'].items())}; "
+          f"written to {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
