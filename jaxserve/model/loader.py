@@ -289,14 +289,14 @@ def load_model(model_dir: str | os.PathLike | None = None, dtype: str | jnp.dtyp
             if quantized:  # from the float32 tensor: int8 kernel + its scale f32[..., out]
                 scale_path = (*param_path[:-1], name + quant.SCALE_SUFFIX)
                 values[param_path], values[scale_path] = quant.quantize(value)
-        for path, value in values.items():
-            expected = abstracts[path]
+        for filled_path, value in values.items():
+            expected = abstracts[filled_path]
             if value.shape != expected.shape:
                 raise ValueError(
-                    f"{'.'.join(map(str, path))} from {names}: shape {value.shape}, "
+                    f"{'.'.join(map(str, filled_path))} from {names}: shape {value.shape}, "
                     f"expected {expected.shape}")
-            target = None if shardings is None else _at_path(shardings, path)
-            filled[path] = sharding.place(value, target)
+            target = None if shardings is None else _at_path(shardings, filled_path)
+            filled[filled_path] = sharding.place(value, target)
     state = nnx.from_flat_state([(p, v.replace(filled[p])) for p, v in nnx.to_flat_state(state)])
     params = nnx.to_pure_dict(state)
     logger.info("loaded %s (%s, %d layers, TP=%d) in %.1f s", path, config.architecture,
