@@ -164,3 +164,43 @@ def test_int8_tensor_parallel_matches_one_device(arch, tmp_path):
         assert (spec[-1] if len(spec) else None) == axis, (name, spec)
     assert state["embed"].dtype == jnp.int8
     assert state["embed_scale"].sharding.spec[-1] == split  # V = 256 splits over 2
+
+
+def test_int8_bfloat16_logits_close_to_bfloat16(tmp_path):
+    """bfloat16 (the GPU dtype) with int8 weights: the jnp products (x bf16, q widened to
+    bf16 exactly: |q| <= 127 fits 8 significand bits), within the float32 bound plus
+    bfloat16's own error (measured against float32 beside it)."""
+    make_tiny_model("LlamaForCausalLM", tmp_path, initializer_range=INIT)
+    tokens = np.random.default_rng(5).integers(0, 256, 20).tolist()
+    f32 = _logits(load_model(tmp_path), tokens, backend="reference")
+    bf16 = _logits(load_model(tmp_path, "bfloat16"), tokens, backend="reference")
+    q_state = load_model(tmp_path, "bfloat16", quantization="int8")
+    assert q_state[2]["layers"][0]["attn"]["qkv_proj"].dtype == jnp.int8
+    assert q_state[2]["norm"]["weight"].dtype == jnp.bfloat16
+    got = _logits(q_state, tokens, backend="reference")
+    assert np.isfinite(got).all()
+    scale = np.abs(f32).max()
+    bf16_err = np.abs(bf16 - f32).max()
+    # (2L + 2)·ε·max|logit| with ε < 1 % (test above), plus twice bf16's own error
+    assert np.abs(got - f32).max() <= 6 * 0.01 * scale + 2 * bf16_err
+
+
+def test_int8_step_lowers_for_a_gpu(tmp_path):
+    """The served body and sampler of an int8 bfloat16 model exported for ``cuda`` (no GPU):
+    int8 parameters in, the Pallas attention kernel, and no CPU int8 custom call."""
+    from jaxserve.worker.compile_manager import trace_program
+    from pallas_kernels.gpu_target import TRITON_CUSTOM_CALL, abstract_gpu
+    from tests.worker.tiny_ladder import tiny_pallas_ladder
+
+    ladder = tiny_pallas_ladder(tmp_path, token_buckets=(16,), request_buckets=(8,),
+                                quantization="int8")
+    body = next(e for e in ladder if e.kind == "body")
+    sampler = next(e for e in ladder if e.kind == "sampler")
+    texts = {}
+    for exe in (body, sampler):
+        with abstract_gpu():
+            program, _ = trace_program(exe, platforms=("cuda",))
+        texts[exe.kind] = program.mlir_module()
+        assert cpu_kernels.MATMUL_I8_TARGET not in texts[exe.kind], exe.name
+        assert any(a.dtype == jnp.int8 for a in program.in_avals), exe.name
+    assert f"custom_call @{TRITON_CUSTOM_CALL}" in texts["body"]

@@ -15,10 +15,11 @@ from tests.model.hf_tiny import make_tiny_model
 
 
 def tiny_pallas_ladder(directory: pathlib.Path, token_buckets: tuple[int, ...],
-                       request_buckets: tuple[int, ...]) -> list:
-    """``ladder_executables`` of a tiny Llama written to ``directory`` (8 rows, 32 blocks of 16)."""
+                       request_buckets: tuple[int, ...], quantization: str | None = None) -> list:
+    """``ladder_executables`` of a tiny Llama written to ``directory`` (8 rows, 32 blocks of 16);
+    ``quantization``: load it with that method (``load_model``)."""
     make_tiny_model("LlamaForCausalLM", directory)
-    config, graphdef, state = load_model(directory, "bfloat16")
+    config, graphdef, state = load_model(directory, "bfloat16", quantization=quantization)
     kv = kv_cache_shapes(config, 32, 16, jnp.bfloat16)
     rows = RowState(8, 256, 16, config.vocab_size, config.eos_token_ids)
     hidden = jax.ShapeDtypeStruct((8, config.hidden_size), jnp.bfloat16)
