@@ -11,11 +11,14 @@ For each of float32 and int8 (``quantization="int8"``, ``jaxserve.model.quantiza
   tokens_<i))`` over every token but the first. The delta int8 − float32 is the
   quality cost of the quantization on this text.
 - **decode tokens/s** at batch 1 and 16: ``jaxserve.LLM`` (greedy,
-  ``ignore_eos``), after a warm-up generation and the worker's background compiles, times ``generate`` of B short
-  prompts (8 tokens) × ``--new-tokens`` tokens each; tokens/s = B ×
-  new tokens / wall time (prefill of the short prompts included).
+  ``ignore_eos``), after a warm-up generation and the worker's background
+  compiles, times ``generate`` of B short prompts (8 tokens) × ``--new-tokens``
+  tokens each, ``--repeats`` times; tokens/s = B × new tokens / the median wall
+  time (prefill of the short prompts included). The machine is shared: quote
+  the load average recorded in the JSON with the numbers.
 
-Also reported: the parameter bytes of each (int8 kernels + float32 scales against
+Also reported: how far the two runs' greedy outputs of the largest batch agree
+(identical sequences, mean common prefix), and the parameter bytes of each (int8 kernels + float32 scales against
 float32). Writes ``<results>/quantization.json``.
 """
 
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import statistics
 import time
 from typing import Any
 
@@ -50,8 +54,10 @@ TEXT = (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     common.add_common_arguments(parser)
-    parser.add_argument("--new-tokens", type=int, default=32,
-                        help="tokens each request generates in the timed runs (default 32)")
+    parser.add_argument("--new-tokens", type=int, default=64,
+                        help="tokens each request generates in the timed runs (default 64)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="timed runs per batch size; the median is reported (default 3)")
     parser.add_argument("--batches", type=int, nargs="+", default=(1, 16),
                         help="batch sizes timed (default 1 16)")
 
@@ -87,13 +93,15 @@ def perplexity(loaded, token_ids: list[int], block_size: int = 16) -> float:
 
 
 def decode_tokens_per_s(model_dir: str, tokenizer: str | None, quantization: str | None,
-                        batches: tuple[int, ...], new_tokens: int) -> dict[str, float]:
-    """{"batch_<B>": tokens/s} of ``jaxserve.LLM`` generating ``new_tokens`` per request."""
+                        batches: tuple[int, ...], new_tokens: int, repeats: int = 3
+                        ) -> tuple[dict[str, float], list[list[int]]]:
+    """({"batch_<B>": tokens/s}, the largest batch's greedy token ids) of ``jaxserve.LLM``
+    generating ``new_tokens`` per request (the median of ``repeats`` timed runs)."""
     from jaxserve import LLM, SamplingParams
 
     top = max(batches)
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-    out = {}
+    out, tokens = {}, []
     with LLM(model_dir, tokenizer=tokenizer, quantization=quantization, max_num_seqs=top,
              max_num_batched_tokens=max(8 * top, 16), max_model_len=256) as llm:
         prompt = llm.get_tokenizer().encode(" The quick brown fox jumps over the")[:8]
@@ -103,10 +111,26 @@ def decode_tokens_per_s(model_dir: str, tokenizer: str | None, quantization: str
             background.join()
         for b in batches:
             prompts = [{"prompt_token_ids": prompt[:7] + [prompt[-1] + i]} for i in range(b)]
-            start = time.perf_counter()
-            llm.generate(prompts, params, use_tqdm=False)
-            out[f"batch_{b}"] = b * new_tokens / (time.perf_counter() - start)
-    return out
+            seconds = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                outputs = llm.generate(prompts, params, use_tqdm=False)
+                seconds.append(time.perf_counter() - start)
+            out[f"batch_{b}"] = b * new_tokens / statistics.median(seconds)
+            if b == top:
+                tokens = [list(o.outputs[0].token_ids) for o in outputs]
+    return out, tokens
+
+
+def greedy_agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, float]:
+    """How far two runs' greedy outputs agree: the fraction of identical sequences and the
+    mean length of the common prefix as a fraction of the length."""
+    prefixes = []
+    for x, y in zip(a, b):
+        n = next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
+        prefixes.append(n / max(len(x), 1))
+    return {"identical": sum(x == y for x, y in zip(a, b)) / len(a),
+            "mean_common_prefix": sum(prefixes) / len(prefixes)}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -119,18 +143,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or model_dir)
     token_ids = tokenizer.encode(TEXT)
     result: dict[str, Any] = {"args": vars(args), "text_tokens": len(token_ids), "methods": {}}
+    outputs: dict[str, list[list[int]]] = {}
     for method in METHODS:
         name = method or "float32"
         loaded = load_model(model_dir, "float32", quantization=method)
         entry = {"param_bytes": param_bytes(loaded[2]),
                  "perplexity": perplexity(loaded, token_ids)}
         del loaded
-        entry["tokens_per_s"] = decode_tokens_per_s(model_dir, args.tokenizer, method,
-                                                    tuple(args.batches), args.new_tokens)
+        entry["tokens_per_s"], outputs[name] = decode_tokens_per_s(
+            model_dir, args.tokenizer, method, tuple(args.batches), args.new_tokens,
+            args.repeats)
         result["methods"][name] = entry
         logger.info("%s: %s", name, entry)
     f32, i8 = result["methods"]["float32"], result["methods"]["int8"]
     result["perplexity_delta"] = i8["perplexity"] - f32["perplexity"]
+    result["greedy_agreement"] = greedy_agreement(outputs["float32"], outputs["int8"])
     result["speedup"] = {k: i8["tokens_per_s"][k] / f32["tokens_per_s"][k]
                          for k in f32["tokens_per_s"]}
     result["environment"] = common.environment()
@@ -146,7 +173,9 @@ def main(argv=None) -> int:
               + " ".join(f"{v:14.1f}" for v in entry["tokens_per_s"].values()))
     print(f"perplexity delta (int8 - float32): {result['perplexity_delta']:+.4f}; "
           f"speed-up: {', '.join(f'{k} {v:.2f}x' for k, v in result['speedup'].items())}; "
-          f"written to {path}")
+          f"greedy outputs of the largest batch: "
+          f"{result['greedy_agreement']['identical']:.0%} identical, common prefix "
+          f"{result['greedy_agreement']['mean_common_prefix']:.0%}; written to {path}")
     return 0
 
 
