@@ -17,7 +17,8 @@ For each of float32 and int8 (``quantization="int8"``, ``jaxserve.model.quantiza
   time (prefill of the short prompts included). The machine is shared: quote
   the load average recorded in the JSON with the numbers.
 
-Also reported: how far the two runs' greedy outputs of the largest batch agree
+Also reported: the fraction of the text's positions where the two models'
+most likely next token agrees (teacher-forced), how far the two runs' greedy outputs of the largest batch agree
 (identical sequences, mean common prefix), and the parameter bytes of each (int8 kernels + float32 scales against
 float32). Writes ``<results>/quantization.json``.
 """
@@ -62,9 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="batch sizes timed (default 1 16)")
 
 
-def perplexity(loaded, token_ids: list[int], block_size: int = 16) -> float:
-    """exp of the mean negative log-likelihood of ``token_ids[1:]``, one prefill step."""
-    import jax
+def text_logits(loaded, token_ids: list[int], block_size: int = 16):
+    """f32[n, V] logits of every position of ``token_ids`` (n tokens), one prefill step."""
     import jax.numpy as jnp
     import numpy as np
 
@@ -87,8 +87,17 @@ def perplexity(loaded, token_ids: list[int], block_size: int = 16) -> float:
     logits, _, _ = run_body_logits(graphdef, state, cache, block_table, jnp.zeros(2, jnp.int32),
                                    jnp.asarray(buffer), layout=layout,
                                    backend=default_backend(config.head_dim))
-    logp = jax.nn.log_softmax(np.asarray(logits, np.float64)[:n - 1], axis=-1)
-    nll = -np.asarray(logp)[np.arange(n - 1), token_ids[1:]].mean()
+    return np.asarray(logits)[:n]
+
+
+def perplexity(loaded, token_ids: list[int], block_size: int = 16) -> float:
+    """exp of the mean negative log-likelihood of ``token_ids[1:]``, one prefill step."""
+    import numpy as np
+
+    logits = text_logits(loaded, token_ids, block_size).astype(np.float64)[:-1]
+    logp = logits - logits.max(-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+    nll = -logp[np.arange(len(token_ids) - 1), token_ids[1:]].mean()
     return float(math.exp(nll))
 
 
@@ -144,11 +153,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     token_ids = tokenizer.encode(TEXT)
     result: dict[str, Any] = {"args": vars(args), "text_tokens": len(token_ids), "methods": {}}
     outputs: dict[str, list[list[int]]] = {}
+    argmax: dict[str, Any] = {}
     for method in METHODS:
         name = method or "float32"
         loaded = load_model(model_dir, "float32", quantization=method)
         entry = {"param_bytes": param_bytes(loaded[2]),
                  "perplexity": perplexity(loaded, token_ids)}
+        argmax[name] = text_logits(loaded, token_ids).argmax(-1)
         del loaded
         entry["tokens_per_s"], outputs[name] = decode_tokens_per_s(
             model_dir, args.tokenizer, method, tuple(args.batches), args.new_tokens,
@@ -158,6 +169,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     f32, i8 = result["methods"]["float32"], result["methods"]["int8"]
     result["perplexity_delta"] = i8["perplexity"] - f32["perplexity"]
     result["greedy_agreement"] = greedy_agreement(outputs["float32"], outputs["int8"])
+    # teacher-forced: the two models' most likely next token at each position of the text
+    result["next_token_argmax_agreement"] = float((argmax["float32"] == argmax["int8"]).mean())
     result["speedup"] = {k: i8["tokens_per_s"][k] / f32["tokens_per_s"][k]
                          for k in f32["tokens_per_s"]}
     result["environment"] = common.environment()
@@ -173,7 +186,8 @@ def main(argv=None) -> int:
               + " ".join(f"{v:14.1f}" for v in entry["tokens_per_s"].values()))
     print(f"perplexity delta (int8 - float32): {result['perplexity_delta']:+.4f}; "
           f"speed-up: {', '.join(f'{k} {v:.2f}x' for k, v in result['speedup'].items())}; "
-          f"greedy outputs of the largest batch: "
+          f"next-token argmax agreement on the text "
+          f"{result['next_token_argmax_agreement']:.1%}; greedy outputs of the largest batch: "
           f"{result['greedy_agreement']['identical']:.0%} identical, common prefix "
           f"{result['greedy_agreement']['mean_common_prefix']:.0%}; written to {path}")
     return 0
