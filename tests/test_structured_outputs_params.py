@@ -81,3 +81,16 @@ def test_proto_round_trip(so):
     assert SamplingParams(**sampling_params_kwargs_from_proto(
         sampling_params_to_proto({"structured_outputs": so}))).structured_outputs == \
         sp.structured_outputs
+
+
+def test_python_client_kwarg_travels_in_the_request():
+    from jaxserve.client.types import build_generate_request
+
+    request = build_generate_request("hi", messages=None, sampling_params=None, stream=False,
+                                     params={"structured_outputs": {"choice": ["a", "b"]}})
+    assert list(request.sampling_params.structured_outputs.choice) == ["a", "b"]
+    request = build_generate_request(
+        "hi", messages=None, stream=False, params={},
+        sampling_params=SamplingParams(structured_outputs={"json": SCHEMA}))
+    assert sampling_params_kwargs_from_proto(request.sampling_params)["structured_outputs"] == {
+        "json": __import__("json").dumps(SCHEMA)}

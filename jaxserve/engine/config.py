@@ -156,6 +156,8 @@ class EngineConfig:
 
     Attributes:
       model: Hugging Face model directory, or None for the demo model.
+      tokenizer: the directory of the tokenizer structured outputs compile
+        grammars against (``tokenizer.json``); None = ``model``'s.
       dtype: "float32", "bfloat16" (``SERVED_DTYPES``) or "auto" (default): the
         worker's choice, float32 on a CPU, bfloat16 on a GPU or TPU.
       max_model_len: longest sequence in tokens; None = the model's maximum.
@@ -186,6 +188,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     load_format: str = "auto"
     eos_token_ids: tuple[int, ...] = ()
+    tokenizer: str | None = None
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
