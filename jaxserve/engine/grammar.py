@@ -24,9 +24,10 @@ Contract (``jaxserve.engine.core`` drives it):
   a preempted sequence keep their own state: a preempted sequence keeps its
   tokens, so its matcher stays valid). ``bitmask`` gives the next token's
   allowed set as i32[W] words (W = ceil(V / 32), bit ``t % 32`` of word
-  ``t // 32``); EOS is in it only where the grammar can end. ``accept``
-  consumes a sampled token on the host and reports whether the grammar has
-  stopped (the sequence then finishes with "stop").
+  ``t // 32``); EOS is in it only where the grammar can end, and once the
+  grammar is complete (the matcher stopped) EOS is all it allows, so the
+  sequence finishes with EOS ("stop", the EOS left out of the text as
+  always) on the next step. ``accept`` consumes a sampled token on the host.
 
 The tokenizer's vocabulary and the model's V may differ (padded embedding
 tables, or tests' tiny models under a large tokenizer): the matcher is built
@@ -247,8 +248,8 @@ class SequenceGrammar:
         """Consumes a sampled token: (accepted, stopped).
 
         ``accepted`` False means the token broke the grammar (it cannot when
-        the step applied this sequence's bitmask); ``stopped``: nothing more
-        may follow, the sequence ends.
+        the step applied this sequence's bitmask); ``stopped``: the grammar is
+        complete, only EOS may follow.
         """
         ok = self.matcher.consume_token(int(token_id))
         return ok, ok and self.matcher.is_stopped()

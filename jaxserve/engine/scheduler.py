@@ -321,13 +321,18 @@ class Scheduler:
 
     @staticmethod
     def _advance_grammar(req: Request, token: int) -> RequestStatus | None:
-        """The matcher consumes the token; the sequence stops where the grammar does."""
-        accepted, stopped = req.grammar.accept(token)
+        """The matcher consumes the token (EOS never reaches it: it ends the sequence).
+
+        A grammar that is complete allows only EOS next, so the sequence ends
+        with EOS one step later — as an EOS-ended sequence, its last token is
+        left out of the text, and every grammar token is kept.
+        """
+        accepted, _ = req.grammar.accept(token)
         if not accepted:  # only if the step ignored the sequence's bitmask
             logger.warning("request %s#%d: token %d breaks its grammar; the sequence aborts",
                            req.request_id, req.index, token)
             return RequestStatus.FINISHED_ABORTED
-        return RequestStatus.FINISHED_STOPPED if stopped else None
+        return None
 
     def _logprobs(self, result: StepResult, j: int) -> list[SampleLogprobs] | None:
         if result.logprob is None:
