@@ -17,7 +17,9 @@ One step, one token budget (``max_num_batched_tokens``):
    preemption: prefix-cache hits first, then as many prompt tokens as the
    budget allows (chunked prefill), while rows and blocks last. Siblings of
    an ``n > 1`` request wait until sequence 0 has computed the prompt, then
-   find it in the prefix cache.
+   find it in the prefix cache; a sequence with structured outputs waits
+   until its grammar compiled (``grammar.py``; one whose compile failed
+   finishes "abort"), and its matcher consumes each token in ``update``.
 
 ``num_computed_tokens`` advances when a step is scheduled (so the next step
 could be planned before this one returns), and blocks that this step fills
