@@ -8,10 +8,13 @@ grammar is refused naming the field, and the engine keeps serving. A seeded
 unconstrained request draws the same tokens beside constrained ones (the
 MASKED sampler's all-allowed rows are FULL's). The masked sampler compiled
 in the background: the strict recompile guard sees no compile in a step.
+Preempted sequences resume with their own matcher; a steady masked step
+makes one upload (buffer and bitmask) and one download.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -164,3 +167,30 @@ def test_preempted_sequences_keep_their_matcher(tiny_dir, tokenizer):
         assert worker.guard.num_recompiles == 0
     finally:
         engine.shutdown()
+
+
+def test_a_masked_steady_step_makes_one_upload_and_one_download(engine, monkeypatch):
+    """The bitmask travels in the step's one upload (tests/worker/test_device_step.py's count)."""
+    import jax
+
+    from tests.worker.test_device_step import _Transfers
+
+    long_regex = SamplingParams(temperature=1.0, seed=5, max_tokens=80,
+                                structured_outputs={"regex": "[a-z]{1000}"})
+    engine.add_request(EngineCoreRequest("m0", [5, 9, 14, 3], long_regex))
+    engine.add_request(EngineCoreRequest("m1", [5, 9, 14, 3], dataclasses.replace(
+        long_regex, seed=6)))
+    engine.add_request(EngineCoreRequest("plain", [7, 8], SamplingParams(
+        temperature=0.0, max_tokens=80, ignore_eos=True)))
+    for _ in range(4):  # prefills and the first decode
+        engine.step()
+    transfers = _Transfers(monkeypatch)
+    steps, tokens = 20, 0
+    with jax.transfer_guard("disallow"):
+        for _ in range(steps):
+            tokens += sum(len(out.new_token_ids) for out in engine.step())
+    assert tokens == 3 * steps
+    assert transfers.uploads == steps and transfers.downloads == steps
+    engine.abort_requests(["m0", "m1", "plain"])
+    while engine.has_unfinished_requests():
+        engine.step()
