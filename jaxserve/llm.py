@@ -142,6 +142,7 @@ class LLM:
             attention_backend=attention_backend, seed=seed, async_scheduling=async_scheduling,
             scan_layers=scan_layers, tensor_parallel_size=tensor_parallel_size,
             load_format=load_format, quantization=quantization,
+            tokenizer=str(tokenizer or path),
             compile=CompileConfig(cache_dir=compilation_cache_dir,
                                   strict_recompile=strict_recompile))
         if worker is None or worker == "in_process":
@@ -271,6 +272,7 @@ class LLM:
             raise ValueError(f"got {len(params)} sampling params for {len(texts)} prompts")
         for i, (ids, sp) in enumerate(zip(token_ids, params)):  # all, before queuing any
             self.engine.limits.check(ids, sp, prompt_field=f"prompts[{i}]")
+            self.engine.check_structured_outputs(sp)  # a bad schema / regex / grammar
         requests = {}
         try:
             for text, ids, sp in zip(texts, token_ids, params):

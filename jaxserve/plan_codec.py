@@ -111,6 +111,7 @@ def geometry_from_proto(msg: wpb.Geometry) -> Geometry:
 
 def plan_to_proto(plan: StepPlan) -> wpb.StepPlan:
     """The wire form of a plan (see the module docstring for the sizes)."""
+    mask = plan.token_bitmask
     return wpb.StepPlan(
         step_id=plan.step_id,
         freed_rows=_to_bytes(plan.freed_rows, _I32),
@@ -126,7 +127,9 @@ def plan_to_proto(plan: StepPlan) -> wpb.StepPlan:
         num_tokens=_to_bytes(plan.num_tokens, _I32),
         sample=_to_bytes(plan.sample, _U8),
         num_tokens_bucket=plan.num_tokens_bucket,
-        num_reqs_bucket=plan.num_reqs_bucket)
+        num_reqs_bucket=plan.num_reqs_bucket,
+        token_bitmask=b"" if mask is None else _to_bytes(mask, _I32),
+        token_bitmask_words=0 if mask is None else mask.shape[1])
 
 
 def plan_from_proto(msg: wpb.StepPlan) -> StepPlan:
@@ -148,7 +151,10 @@ def plan_from_proto(msg: wpb.StepPlan) -> StepPlan:
         num_tokens=_i32("num_tokens", msg.num_tokens),
         sample=_from_bytes("sample", msg.sample, _U8).astype(np.bool_),
         num_tokens_bucket=msg.num_tokens_bucket,
-        num_reqs_bucket=msg.num_reqs_bucket)
+        num_reqs_bucket=msg.num_reqs_bucket,
+        token_bitmask=_from_bytes("token_bitmask", msg.token_bitmask, _I32,
+                                  msg.token_bitmask_words)
+        if msg.token_bitmask_words else None)
 
 
 def result_to_proto(result: StepResult) -> wpb.StepResult:

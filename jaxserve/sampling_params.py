@@ -31,6 +31,8 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from jaxserve.structured_outputs import StructuredOutputsParams
+
 MAX_INT32 = 2**31 - 1  # the wire type of the integer fields (generate.proto, engine.proto)
 SAMPLING_EPS = 1e-5  # temperature below this is greedy (vLLM's _SAMPLING_EPS)
 MAX_LOGPROBS = 20  # most top logprobs per token, as vLLM's default max_logprobs
@@ -133,6 +135,10 @@ class SamplingParams:
       include_stop_str_in_output: keep the matched stop string in the text.
       skip_special_tokens: drop special tokens when detokenizing.
       spaces_between_special_tokens: detokenizer option, as in vLLM.
+      structured_outputs: None, or a ``StructuredOutputsParams`` (or a dict of
+        its fields): the output follows a JSON schema, regex, choice or
+        grammar (``jaxserve.structured_outputs``). Not with ``ignore_eos`` nor
+        ``min_tokens`` > 0 (the grammar decides where the output may end).
 
     Raises:
       ValueError: a field is out of range, of the wrong type, NaN or
@@ -159,6 +165,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         setattr_ = object.__setattr__
@@ -178,7 +185,11 @@ class SamplingParams:
         setattr_(self, "stop_token_ids", _normalize_token_ids(self.stop_token_ids))
         if self.logit_bias is not None:
             setattr_(self, "logit_bias", _normalize_logit_bias(self.logit_bias))
+        if self.structured_outputs is not None:
+            setattr_(self, "structured_outputs",
+                     StructuredOutputsParams.from_value(self.structured_outputs))
         self._check_ranges()
+        self._check_structured_outputs()
 
     def _check_ranges(self) -> None:
         if self.n < 1:
@@ -209,6 +220,17 @@ class SamplingParams:
             if value is not None and not 0 <= value <= MAX_LOGPROBS:
                 raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
 
+    def _check_structured_outputs(self) -> None:
+        if self.structured_outputs is None:
+            return
+        if self.ignore_eos:
+            raise ValueError("structured_outputs cannot be combined with ignore_eos: the "
+                             "grammar decides where the output ends")
+        if self.min_tokens > 0:
+            raise ValueError(f"structured_outputs cannot be combined with min_tokens > 0 "
+                             f"(got {self.min_tokens}): the grammar decides where the output "
+                             f"may end")
+
     @property
     def is_greedy(self) -> bool:
         """True when the temperature selects greedy decoding."""
@@ -231,6 +253,8 @@ class SamplingParams:
         out["stop"] = list(self.stop)
         out["stop_token_ids"] = list(self.stop_token_ids)
         out["logit_bias"] = None if self.logit_bias is None else dict(self.logit_bias)
+        so = self.structured_outputs
+        out["structured_outputs"] = None if so is None else so.to_dict()
         return out
 
     @classmethod

@@ -182,6 +182,10 @@ class StepPlan:
       num_tokens_bucket: T >= num_tokens.sum(), on the T ladder.
       num_reqs_bucket: R >= sample.sum(), on the R ladder; 0 when no row
         samples (the logits and sampler are skipped).
+      token_bitmask: i32[s, W] (W = ceil(V / 32)), the allowed tokens of each
+        sampling row in plan order (structured outputs; bit t % 32 of word
+        t // 32; an unconstrained row is all ones), or None when no sampling
+        row is constrained. The worker then runs the MASKED sampler.
     """
 
     step_id: int
@@ -195,6 +199,7 @@ class StepPlan:
     sample: np.ndarray  # [n] bool
     num_tokens_bucket: int
     num_reqs_bucket: int
+    token_bitmask: np.ndarray | None = None  # [s, W] i32
 
     def __post_init__(self) -> None:
         for name in ("freed_rows", "append_rows", "append_block_ids", "rows", "num_computed",
@@ -207,6 +212,11 @@ class StepPlan:
             raise ValueError("append_rows and append_block_ids differ in length")
         if self.sample.dtype != np.bool_:
             raise ValueError(f"sample must be bool, got {self.sample.dtype}")
+        if self.token_bitmask is not None:
+            _i32("token_bitmask", self.token_bitmask, ndim=2)
+            if len(self.token_bitmask) != int(self.sample.sum()):
+                raise ValueError(f"token_bitmask has {len(self.token_bitmask)} rows for "
+                                 f"{int(self.sample.sum())} sampling rows")
 
     @property
     def total_tokens(self) -> int:

@@ -43,7 +43,7 @@ from jaxserve.sampling_params import (MAX_LOGIT_BIAS, MAX_SEED, MAX_STOP_IDS, MI
 
 SAMPLING_PREFIX = "sampling_params."
 _SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
-_LEADING_NAME = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)[\s:]*")
+_LEADING_NAME = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)((?:\.[A-Za-z_][A-Za-z0-9_]*)?)[\s:]*")
 _UNKNOWN = "unknown sampling parameter"  # SamplingParams.from_dict: "<key>: unknown ..."
 
 
@@ -87,7 +87,8 @@ def _sampling_error(message: str) -> InvalidArgument:
     match = _LEADING_NAME.match(message)
     if match is not None and (match.group(1) in _SAMPLING_FIELDS
                               or message[match.end():].startswith(_UNKNOWN)):
-        return InvalidArgument(SAMPLING_PREFIX + match.group(1), message[match.end():])
+        return InvalidArgument(SAMPLING_PREFIX + match.group(1) + match.group(2),
+                               message[match.end():])
     return InvalidArgument("sampling_params", message)
 
 

@@ -14,6 +14,8 @@ outputs are short (8 tokens) to keep the module under a few minutes.
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -163,7 +165,9 @@ def test_a_refused_prompt_queues_nothing_and_names_the_field(baseline):
              ([[1, 2], []], GREEDY, "prompts[1]"),
              ([[1, 2]], SamplingParams(logit_bias={i: 1.0 for i in range(MAX_LOGIT_BIAS + 1)}),
               "sampling_params.logit_bias"),
-             ([[1, 2]], SamplingParams(n=33), "sampling_params.n")]  # max_num_seqs 32
+             ([[1, 2]], SamplingParams(n=33), "sampling_params.n"),  # max_num_seqs 32
+             ([[1, 2], [1, 2]], [GREEDY, SamplingParams(structured_outputs={"regex": "a(b"})],
+              "sampling_params.structured_outputs.regex")]
     for prompts, params, field in cases:
         with pytest.raises(InvalidArgument) as err:
             llm.generate(prompts, params, use_tqdm=False)
@@ -171,3 +175,16 @@ def test_a_refused_prompt_queues_nothing_and_names_the_field(baseline):
         assert not llm.engine.has_unfinished_requests()
     (ok,) = llm.generate([1, 2], GREEDY, use_tqdm=False)  # still serving
     assert ok.finished and 1 <= len(ok.outputs[0].token_ids) <= NEW_TOKENS
+
+
+def test_structured_outputs_through_sampling_params(baseline):
+    llm, _, _ = baseline
+    schema = {"type": "object", "properties": {"answer": {"enum": ["Paris", "Lyon"]}},
+              "required": ["answer"], "additionalProperties": False}
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    (chat,) = llm.chat(messages, SamplingParams(temperature=1.0, n=2, seed=4, max_tokens=24,
+                                                structured_outputs={"json": schema}),
+                       use_tqdm=False)
+    for completion in chat.outputs:
+        assert completion.finish_reason == "stop"
+        assert json.loads(completion.text)["answer"] in ("Paris", "Lyon")

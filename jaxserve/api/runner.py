@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Coroutine, Iterator
@@ -191,7 +192,12 @@ class RequestRunner:
                 cache_salt or None))
         except EngineError as err:
             running.close()
-            raise self.reject(err.code, err.message) from None
+            # The engine names a refused field first ("sampling_params.structured_outputs.json:
+            # ..." for a schema that does not compile).
+            field = _LEADING_FIELD.match(err.message) if (
+                err.code == grpc.StatusCode.INVALID_ARGUMENT) else None
+            raise self.reject(err.code, err.message,
+                              field.group(1) if field else None) from None
         except BaseException:
             running.close()
             raise
@@ -208,6 +214,9 @@ class RequestRunner:
         self.metrics.generation_tokens.inc(sum(s[0] for s in stats))
         self.metrics.observe_request(running.arrival, running.tracker.first_token_time,
                                      time.monotonic(), stats)
+
+
+_LEADING_FIELD = re.compile(r"^(sampling_params(?:\.[A-Za-z_]\w*)+): ")
 
 
 class RunningRequest:

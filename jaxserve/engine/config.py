@@ -157,6 +157,8 @@ class EngineConfig:
 
     Attributes:
       model: Hugging Face model directory, or None for the demo model.
+      tokenizer: the directory of the tokenizer structured outputs compile
+        grammars against (``tokenizer.json``); None = ``model``'s.
       dtype: "float32", "bfloat16" (``SERVED_DTYPES``) or "auto" (default): the
         worker's choice, float32 on a CPU, bfloat16 on a GPU or TPU.
       max_model_len: longest sequence in tokens; None = the model's maximum.
@@ -190,6 +192,7 @@ class EngineConfig:
     load_format: str = "auto"
     quantization: str | None = None
     eos_token_ids: tuple[int, ...] = ()
+    tokenizer: str | None = None
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:

@@ -42,6 +42,15 @@ gets no placeholder. Then, when step N's tokens come back:
 - a sequence preempted while planning step N + 1 keeps the token it sampled
   in step N (it may also finish with it) and comes back later as a new row.
 
+Structured outputs (``jaxserve.engine.grammar``): a request's grammar
+compiles in a thread pool while its sequences wait in the waiting queue; a
+step with a constrained sampling row carries the rows' token bitmask
+(``StepPlan.token_bitmask``, computed from each sequence's matcher when the
+step is planned), and the matcher consumes the token when the step's result
+is applied. Such a row's next mask needs that token, so **no run-ahead while
+a constrained row is in flight**: ``step()`` then waits for the step's result
+before planning the next (the synchronous order, for that step only).
+
 Worker death: ``execute`` raises ``WorkerDiedError``; ``step()`` re-raises
 it, and every later ``step()`` / ``add_request`` raises it at once
 (``serving`` is then False).
@@ -55,11 +64,15 @@ import logging
 import time
 from collections.abc import Iterable
 
+import numpy as np
+
 from jaxserve.engine.config import EngineConfig
+from jaxserve.engine.grammar import GrammarCompiler
 from jaxserve.engine.messages import EngineCoreOutput, EngineCoreRequest, EngineStats
 from jaxserve.engine.plan_builder import build_plan
 from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.scheduler import ScheduledStep, Scheduler
+from jaxserve.sampling_params import SamplingParams
 from jaxserve.step_plan import Geometry, StepPlan, StepResult, Worker, WorkerDiedError
 from jaxserve.validation import RequestLimits
 
@@ -106,6 +119,8 @@ class EngineCore:
             max_num_seqs=self.config.scheduler.max_num_seqs,
             eos_token_ids=self.geometry.eos_token_ids)
         self.scheduler = Scheduler(self.config)
+        self.grammars = GrammarCompiler(self.config.tokenizer or self.config.model,
+                                        self.geometry.vocab_size, self.geometry.eos_token_ids)
         self.async_scheduling = config.async_scheduling
         self.num_steps = 0
         self.schedule_seconds = 0.0
@@ -114,6 +129,7 @@ class EngineCore:
         self.error: WorkerDiedError | None = None
         self._next_step_id = 0
         self._in_flight: _InFlight | None = None
+        self._failed: list[EngineCoreOutput] = []  # sequences whose grammar did not compile
         self._executor = (concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="engine-worker") if self.async_scheduling else None)
         logger.info("engine ready: %d usable KV blocks (+ the null block) of %d tokens, "
@@ -143,7 +159,22 @@ class EngineCore:
         self._check_serving()
         self.limits.check(request.prompt_token_ids, request.sampling_params,
                           prompt_field="prompt_token_ids")
-        self.scheduler.add_request(request)
+        so = request.sampling_params.structured_outputs
+        self.scheduler.add_request(request, None if so is None else self.grammars.submit(so))
+
+    def check_structured_outputs(self, params: SamplingParams,
+                                 timeout: float | None = None) -> None:
+        """Compiles ``params.structured_outputs`` (if any) and waits in the caller's thread.
+
+        Call it before ``add_request`` from a thread other than the one that
+        steps (the api's handlers), or before stepping (``LLM``): a bad
+        schema, regex or grammar is then refused up front.
+
+        Raises:
+          jaxserve.engine.grammar.GrammarError: (an ``InvalidArgument``) it
+            does not compile; the field is named.
+        """
+        self.grammars.check(params.structured_outputs, timeout)
 
     def abort_requests(self, ids: Iterable[str | tuple[str, int]]) -> None:
         """Aborts whole requests (ids) or single sequences ((id, index)); frees their blocks."""
@@ -182,37 +213,59 @@ class EngineCore:
     def _step_sync(self) -> list[EngineCoreOutput]:
         planned = self._plan()
         if planned is None:
-            return []
+            return self._take_failed()
         scheduled, plan = planned
-        return self._apply(scheduled, self.worker.execute(plan), ())
+        return self._take_failed() + self._apply(scheduled, self.worker.execute(plan), ())
+
+    def _take_failed(self) -> list[EngineCoreOutput]:
+        """The outputs of sequences whose grammar failed, gathered while planning."""
+        failed, self._failed = self._failed, []
+        return failed
 
     def _step_async(self) -> list[EngineCoreOutput]:
         if self._in_flight is None:
             self._in_flight = self._submit(self._plan())
             if self._in_flight is None:
-                return []
+                return self._take_failed()
         current = self._in_flight
+        if current.plan.token_bitmask is not None:  # constrained rows in flight: no run-ahead
+            self._in_flight = None
+            return self._take_failed() + self._apply(current.scheduled, current.result.result(),
+                                                     ())
         placeholders = self._add_placeholders(current.scheduled)
         try:
             self._in_flight = self._submit(self._plan())
         finally:
             for req, cacheable in placeholders:
                 req.cacheable = cacheable
-        return self._apply(current.scheduled, current.result.result(),
-                           [req for req, _ in placeholders])
+        return self._take_failed() + self._apply(current.scheduled, current.result.result(),
+                                                 [req for req, _ in placeholders])
 
     def _plan(self) -> tuple[ScheduledStep, StepPlan] | None:
         t0 = time.process_time()
         scheduled = self.scheduler.schedule()
+        self._failed.extend(scheduled.failed)
         if not scheduled.reqs:
             self.scheduler.freed_rows[:0] = scheduled.freed_rows  # keep them for the next plan
             return None
         sched = self.config.scheduler
         plan = build_plan(scheduled, self._next_step_id, sched.token_buckets,
-                          sched.request_buckets)
+                          sched.request_buckets, self._token_bitmask(scheduled))
         self._next_step_id += 1
         self.schedule_seconds += time.process_time() - t0
         return scheduled, plan
+
+    def _token_bitmask(self, scheduled: ScheduledStep) -> np.ndarray | None:
+        """i32[s, W]: the sampling rows' allowed tokens; None when none is constrained."""
+        sampling = [req for req, sample in zip(scheduled.reqs, scheduled.sample) if sample]
+        if all(req.grammar is None for req in sampling):
+            return None
+        words = -(-self.geometry.vocab_size // 32)
+        mask = np.full((len(sampling), words), -1, np.int32)  # -1: every token allowed
+        for j, req in enumerate(sampling):
+            if req.grammar is not None:
+                mask[j] = req.grammar.bitmask()
+        return mask
 
     def _submit(self, planned: tuple[ScheduledStep, StepPlan] | None) -> _InFlight | None:
         """Starts a step: ``worker.submit`` where the worker has it, else on the helper thread."""
@@ -301,4 +354,5 @@ class EngineCore:
             self._in_flight = None
         if self._executor is not None:
             self._executor.shutdown(wait=True)
+        self.grammars.shutdown()
         self.worker.shutdown()

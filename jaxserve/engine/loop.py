@@ -162,6 +162,9 @@ class EngineLoop:
             self.core.add_request(request)
             self._remaining[request.request_id] = set(range(request.sampling_params.n))
 
+        # Structured outputs compile here, in the caller's thread, while the loop
+        # steps: a bad schema, regex or grammar is refused before it is queued.
+        self.core.check_structured_outputs(request.sampling_params)
         self.call(add)
 
     def abort(self, targets: Iterable[str | tuple[str, int]]) -> None:

@@ -72,6 +72,8 @@ class Request:
       num_blocks_sent: how many of ``block_ids`` the worker's row holds.
       max_tokens: most generated tokens (capped by the model's maximum).
       order: (arrival counter, index); later arrivals are preempted first.
+      grammar: the sequence's ``SequenceGrammar`` (structured outputs:
+        ``jaxserve.engine.grammar``), or None.
     """
 
     __slots__ = (
@@ -79,7 +81,7 @@ class Request:
         "order", "token_ids", "num_prompt_tokens", "num_computed_tokens", "block_ids",
         "block_hashes", "cacheable", "cache_salt", "row", "num_blocks_sent", "status",
         "max_tokens", "min_tokens", "eos_ids", "stop_ids", "stop_reason", "num_cached_tokens",
-        "num_preemptions", "wants_logprobs", "scheduled_before")
+        "num_preemptions", "wants_logprobs", "scheduled_before", "grammar")
 
     def __init__(self, request_id: str, index: int, group: RequestGroup,
                  prompt_token_ids: list[int], sampling_params: SamplingParams, seed: int | None,
@@ -114,6 +116,7 @@ class Request:
         self.num_preemptions = 0
         self.wants_logprobs = sampling_params.logprobs is not None
         self.scheduled_before = False
+        self.grammar = None
 
     @property
     def num_tokens(self) -> int:

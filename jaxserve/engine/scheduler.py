@@ -17,7 +17,9 @@ One step, one token budget (``max_num_batched_tokens``):
    preemption: prefix-cache hits first, then as many prompt tokens as the
    budget allows (chunked prefill), while rows and blocks last. Siblings of
    an ``n > 1`` request wait until sequence 0 has computed the prompt, then
-   find it in the prefix cache.
+   find it in the prefix cache; a sequence with structured outputs waits
+   until its grammar compiled (``grammar.py``; one whose compile failed
+   finishes "abort"), and its matcher consumes each token in ``update``.
 
 ``num_computed_tokens`` advances when a step is scheduled (so the next step
 could be planned before this one returns), and blocks that this step fills
@@ -31,16 +33,20 @@ from __future__ import annotations
 
 import bisect
 import collections
+import concurrent.futures
 import dataclasses
+import logging
 
 from jaxserve.engine.block_manager import BlockManager
 from jaxserve.engine.config import EngineConfig
+from jaxserve.engine.grammar import SequenceGrammar
 from jaxserve.engine.messages import EngineCoreOutput, EngineCoreRequest, SampleLogprobs
 from jaxserve.engine.request import FINISH_REASONS, Request, RequestGroup, RequestStatus
 from jaxserve.step_plan import StepResult
 from jaxserve.validation import InvalidArgument
 
 _ORDER = lambda r: r.order  # noqa: E731
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(slots=True)
@@ -49,7 +55,9 @@ class ScheduledStep:
 
     ``num_computed`` holds each sequence's cached tokens *before* the step;
     ``new_reqs`` the sequences that start on a row this step (a ``NewRow``);
-    ``freed_rows`` the rows released since the previous step.
+    ``freed_rows`` the rows released since the previous step;
+    ``failed`` the outputs of sequences whose grammar did not compile
+    (finished "abort" before ever running).
     """
 
     reqs: list[Request] = dataclasses.field(default_factory=list)
@@ -59,6 +67,7 @@ class ScheduledStep:
     new_reqs: list[Request] = dataclasses.field(default_factory=list)
     freed_rows: list[int] = dataclasses.field(default_factory=list)
     preempted: list[Request] = dataclasses.field(default_factory=list)
+    failed: list[EngineCoreOutput] = dataclasses.field(default_factory=list)
     total_tokens: int = 0
 
     def add(self, req: Request, num_tokens: int) -> None:
@@ -96,10 +105,15 @@ class Scheduler:
         self.freed_rows: list[int] = []  # released since the last schedule
         self.num_preemptions = 0
         self._arrivals = 0
+        self.grammar_pending: list[Request] = []  # waiting for their grammar's compile
 
     # --------------------------------------------------------------- requests
-    def add_request(self, request: EngineCoreRequest) -> None:
+    def add_request(self, request: EngineCoreRequest,
+                    grammar: concurrent.futures.Future | None = None) -> None:
         """Queues a request (``n`` sequences) that ``jaxserve.validation`` accepted.
+
+        ``grammar``: the compile of its structured outputs
+        (``GrammarCompiler.submit``); its sequences wait until it is done.
 
         ``EngineCore.add_request`` checks the request against the model's
         limits first; here only what depends on the scheduler's state and
@@ -128,6 +142,9 @@ class Scheduler:
             req = Request(rid, i, group, prompt, sp, seed, request.arrival_time,
                           (self._arrivals, i), self.max_model_len,
                           self.config.eos_token_ids, caching or sp.n > 1, salt)
+            if grammar is not None:
+                req.grammar = SequenceGrammar(sp.structured_outputs, grammar)
+                self.grammar_pending.append(req)
             group.sequences.append(req)
             self.waiting.append(req)
         group.num_unfinished = sp.n
@@ -164,6 +181,8 @@ class Scheduler:
     def schedule(self) -> ScheduledStep:
         """Chooses this step's sequences and token counts (see the module docstring)."""
         step = ScheduledStep()
+        if self.grammar_pending:
+            self._poll_grammars(step)
         budget = self.max_num_batched_tokens
         bm, running = self.block_manager, self.running
         i = 0
@@ -192,12 +211,31 @@ class Scheduler:
         step.freed_rows, self.freed_rows = self.freed_rows, []
         return step
 
+    def _poll_grammars(self, step: ScheduledStep) -> None:
+        """Sequences whose grammar compiled may run; those whose compile failed finish."""
+        pending = []
+        for req in self.grammar_pending:
+            if req.is_finished or req.grammar.ready:
+                continue
+            err = req.grammar.error
+            if err is None:
+                pending.append(req)
+                continue
+            logger.info("request %s: structured outputs refused: %s", req.request_id, err)
+            self.waiting.remove(req)
+            self._finish(req, RequestStatus.FINISHED_ABORTED)
+            step.failed.append(EngineCoreOutput(
+                req.request_id, req.index, [], finish_reason="abort",
+                num_prompt_tokens=req.num_prompt_tokens))
+        self.grammar_pending = pending
+
     def _schedule_waiting(self, step: ScheduledStep, budget: int) -> None:
         bm, waiting, skipped = self.block_manager, self.waiting, []
         while waiting and budget > 0 and self.free_rows:
             req = waiting[0]
-            if req.index > 0 and not req.group.prompt_ready:
-                skipped.append(waiting.popleft())
+            if (req.index > 0 and not req.group.prompt_ready) or (
+                    req.grammar is not None and req.grammar.matcher is None):
+                skipped.append(waiting.popleft())  # siblings, and grammars still compiling
                 continue
             hits = bm.find_cached_blocks(req)
             num_cached = len(hits) * self.block_size
@@ -263,6 +301,8 @@ class Scheduler:
             if not sample:
                 continue
             status = req.append_token(tokens[j])
+            if status is None and req.grammar is not None:
+                status = self._advance_grammar(req, tokens[j])
             logprobs = self._logprobs(result, j) if req.wants_logprobs else None
             j += 1
             if status is None:
@@ -280,6 +320,21 @@ class Scheduler:
         if finished:
             self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
         return outputs
+
+    @staticmethod
+    def _advance_grammar(req: Request, token: int) -> RequestStatus | None:
+        """The matcher consumes the token (EOS never reaches it: it ends the sequence).
+
+        A grammar that is complete allows only EOS next, so the sequence ends
+        with EOS one step later — as an EOS-ended sequence, its last token is
+        left out of the text, and every grammar token is kept.
+        """
+        accepted, _ = req.grammar.accept(token)
+        if not accepted:  # only if the step ignored the sequence's bitmask
+            logger.warning("request %s#%d: token %d breaks its grammar; the sequence aborts",
+                           req.request_id, req.index, token)
+            return RequestStatus.FINISHED_ABORTED
+        return None
 
     def _logprobs(self, result: StepResult, j: int) -> list[SampleLogprobs] | None:
         if result.logprob is None:

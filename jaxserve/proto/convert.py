@@ -15,11 +15,13 @@ Absent ``max_tokens`` means ``None`` (up to the context length), not
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Mapping
 from typing import Any
 
 from jaxserve.proto import generate_pb2 as pb
 from jaxserve.sampling_params import MAX_SEED, MIN_SEED, SamplingParams
+from jaxserve.structured_outputs import StructuredOutputsParams
 
 SAMPLING_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(SamplingParams))
 _REPEATED = ("stop", "stop_token_ids")
@@ -70,12 +72,40 @@ def _set_field(message: pb.SamplingParams, name: str, value: Any) -> None:
     elif name == "logit_bias":
         for token, bias in dict(value).items():
             message.logit_bias[int(token)] = bias
+    elif name == "structured_outputs":
+        _set_structured_outputs(message.structured_outputs, value)
     elif name == "seed":
         if not MIN_SEED <= int(value) <= MAX_SEED:
             raise ValueError("a seed is a 64-bit integer, in [-2**63, 2**64 - 1]")
         message.seed = int(value) % _SEED_MODULUS
     else:
         setattr(message, name, value)
+
+
+def _set_structured_outputs(message: pb.StructuredOutputs, value: Any) -> None:
+    """Fills a ``StructuredOutputs`` message from the params or a dict of its fields."""
+    values = value.to_dict() if isinstance(value, StructuredOutputsParams) else dict(value)
+    message.SetInParent()
+    for key, item in values.items():
+        if item is None:
+            continue
+        if key == "choice":
+            message.choice.extend([item] if isinstance(item, str) else list(item))
+        elif key == "json" and not isinstance(item, str):
+            message.json = json.dumps(item)
+        elif key in ("json", "json_object", "regex", "grammar"):
+            setattr(message, key, item)
+        else:
+            raise ValueError(f"structured_outputs.{key}: unknown field")
+
+
+def _structured_outputs_kwargs(message: pb.StructuredOutputs) -> dict[str, Any]:
+    out: dict[str, Any] = {name: getattr(message, name)
+                           for name in ("json", "json_object", "regex", "grammar")
+                           if message.HasField(name)}
+    if message.choice:
+        out["choice"] = list(message.choice)
+    return out
 
 
 def sampling_params_kwargs_from_proto(message: pb.SamplingParams) -> dict[str, Any]:
@@ -93,6 +123,9 @@ def sampling_params_kwargs_from_proto(message: pb.SamplingParams) -> dict[str, A
         elif name == "logit_bias":
             if message.logit_bias:
                 kwargs[name] = dict(message.logit_bias)
+        elif name == "structured_outputs":
+            if message.HasField(name):
+                kwargs[name] = _structured_outputs_kwargs(message.structured_outputs)
         elif message.HasField(name):
             kwargs[name] = getattr(message, name)
     return kwargs

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15jaxserve/worker.proto\x12\x0fjaxserve.worker\"\xeb\x04\n\x11InitializeRequest\x12\x12\n\x05model\x18\x01 \x01(\tH\x00\x88\x01\x01\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x1a\n\rnum_kv_blocks\x18\x04 \x01(\x03H\x01\x88\x01\x01\x12\x1b\n\x0ekv_cache_bytes\x18\x05 \x01(\x03H\x02\x88\x01\x01\x12\x14\n\x0cmax_num_seqs\x18\x06 \x01(\x05\x12\x1a\n\rmax_model_len\x18\x07 \x01(\x05H\x03\x88\x01\x01\x12\x15\n\rtoken_buckets\x18\x08 \x03(\x05\x12\x17\n\x0frequest_buckets\x18\t \x03(\x05\x12\x1e\n\x11\x61ttention_backend\x18\n \x01(\tH\x04\x88\x01\x01\x12\x11\n\tseed_json\x18\x0b \x01(\t\x12\x1a\n\x12memory_utilization\x18\x0c \x01(\x02\x12\x12\n\nprecompile\x18\r \x01(\x08\x12\x18\n\x10strict_recompile\x18\x0e \x01(\x08\x12\"\n\x15\x63ompilation_cache_dir\x18\x0f \x01(\tH\x05\x88\x01\x01\x12\x13\n\x0bscan_layers\x18\x10 \x01(\x08\x12\x1c\n\x14tensor_parallel_size\x18\x11 \x01(\x05\x12\x13\n\x0bload_format\x18\x12 \x01(\t\x12\x19\n\x0cquantization\x18\x13 \x01(\tH\x06\x88\x01\x01\x42\x08\n\x06_modelB\x10\n\x0e_num_kv_blocksB\x11\n\x0f_kv_cache_bytesB\x10\n\x0e_max_model_lenB\x14\n\x12_attention_backendB\x18\n\x16_compilation_cache_dirB\x0f\n\r_quantization\"w\n\x08Geometry\x12\x15\n\rnum_kv_blocks\x18\x01 \x01(\x03\x12\x12\n\nblock_size\x18\x02 \x01(\x05\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12\x15\n\reos_token_ids\x18\x05 \x03(\x05\"m\n\x06NewRow\x12\x0b\n\x03row\x18\x01 \x01(\x05\x12\x11\n\ttoken_ids\x18\x02 \x01(\x0c\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\x05\x12\x15\n\rsampling_json\x18\x04 \x01(\t\x12\x11\n\tblock_ids\x18\x05 \x01(\x0c\"\x85\x02\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x03\x12\x12\n\nfreed_rows\x18\x02 \x01(\x0c\x12)\n\x08new_rows\x18\x03 \x03(\x0b\x32\x17.jaxserve.worker.NewRow\x12\x13\n\x0b\x61ppend_rows\x18\x04 \x01(\x0c\x12\x18\n\x10\x61ppend_block_ids\x18\x05 \x01(\x0c\x12\x0c\n\x04rows\x18\x06 \x01(\x0c\x12\x14\n\x0cnum_computed\x18\x07 \x01(\x0c\x12\x12\n\nnum_tokens\x18\x08 \x01(\x0c\x12\x0e\n\x06sample\x18\t \x01(\x0c\x12\x19\n\x11num_tokens_bucket\x18\n \x01(\x05\x12\x17\n\x0fnum_reqs_bucket\x18\x0b \x01(\x05\"\xdd\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x03\x12\x11\n\ttoken_ids\x18\x02 \x01(\x0c\x12\x14\n\x0chas_logprobs\x18\x03 \x01(\x08\x12\x0f\n\x07logprob\x18\x04 \x01(\x0c\x12\x0c\n\x04rank\x18\x05 \x01(\x0c\x12\x18\n\x10num_top_logprobs\x18\x06 \x01(\x05\x12\x15\n\rtop_token_ids\x18\x07 \x01(\x0c\x12\x14\n\x0ctop_logprobs\x18\x08 \x01(\x0c\x12\x17\n\x0f\x65xecute_seconds\x18\t \x01(\x01\x12\x16\n\x0e\x64\x65vice_seconds\x18\n \x01(\x01\"\x0f\n\rHealthRequest\"\xa4\x01\n\x0cWorkerStatus\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\x10\n\x08platform\x18\x02 \x01(\t\x12\x17\n\x0fnum_executables\x18\x03 \x01(\x05\x12\x17\n\x0f\x63ompile_seconds\x18\x04 \x01(\x01\x12\x16\n\x0enum_cache_hits\x18\x05 \x01(\x05\x12\x16\n\x0enum_recompiles\x18\x06 \x01(\x03\x12\x11\n\tnum_steps\x18\x07 \x01(\x03\"(\n\x13StartProfileRequest\x12\x11\n\tdirectory\x18\x01 \x01(\t\"\x14\n\x12StopProfileRequest\"\x11\n\x0fProfileResponse\"\x11\n\x0fShutdownRequest\"\x12\n\x10ShutdownResponse2\xe7\x03\n\rWorkerService\x12K\n\nInitialize\x12\".jaxserve.worker.InitializeRequest\x1a\x19.jaxserve.worker.Geometry\x12\x41\n\x07\x45xecute\x12\x19.jaxserve.worker.StepPlan\x1a\x1b.jaxserve.worker.StepResult\x12G\n\x06Health\x12\x1e.jaxserve.worker.HealthRequest\x1a\x1d.jaxserve.worker.WorkerStatus\x12V\n\x0cStartProfile\x12$.jaxserve.worker.StartProfileRequest\x1a .jaxserve.worker.ProfileResponse\x12T\n\x0bStopProfile\x12#.jaxserve.worker.StopProfileRequest\x1a .jaxserve.worker.ProfileResponse\x12O\n\x08Shutdown\x12 .jaxserve.worker.ShutdownRequest\x1a!.jaxserve.worker.ShutdownResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15jaxserve/worker.proto\x12\x0fjaxserve.worker\"\xeb\x04\n\x11InitializeRequest\x12\x12\n\x05model\x18\x01 \x01(\tH\x00\x88\x01\x01\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x1a\n\rnum_kv_blocks\x18\x04 \x01(\x03H\x01\x88\x01\x01\x12\x1b\n\x0ekv_cache_bytes\x18\x05 \x01(\x03H\x02\x88\x01\x01\x12\x14\n\x0cmax_num_seqs\x18\x06 \x01(\x05\x12\x1a\n\rmax_model_len\x18\x07 \x01(\x05H\x03\x88\x01\x01\x12\x15\n\rtoken_buckets\x18\x08 \x03(\x05\x12\x17\n\x0frequest_buckets\x18\t \x03(\x05\x12\x1e\n\x11\x61ttention_backend\x18\n \x01(\tH\x04\x88\x01\x01\x12\x11\n\tseed_json\x18\x0b \x01(\t\x12\x1a\n\x12memory_utilization\x18\x0c \x01(\x02\x12\x12\n\nprecompile\x18\r \x01(\x08\x12\x18\n\x10strict_recompile\x18\x0e \x01(\x08\x12\"\n\x15\x63ompilation_cache_dir\x18\x0f \x01(\tH\x05\x88\x01\x01\x12\x13\n\x0bscan_layers\x18\x10 \x01(\x08\x12\x1c\n\x14tensor_parallel_size\x18\x11 \x01(\x05\x12\x13\n\x0bload_format\x18\x12 \x01(\t\x12\x19\n\x0cquantization\x18\x13 \x01(\tH\x06\x88\x01\x01\x42\x08\n\x06_modelB\x10\n\x0e_num_kv_blocksB\x11\n\x0f_kv_cache_bytesB\x10\n\x0e_max_model_lenB\x14\n\x12_attention_backendB\x18\n\x16_compilation_cache_dirB\x0f\n\r_quantization\"w\n\x08Geometry\x12\x15\n\rnum_kv_blocks\x18\x01 \x01(\x03\x12\x12\n\nblock_size\x18\x02 \x01(\x05\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12\x15\n\reos_token_ids\x18\x05 \x03(\x05\"m\n\x06NewRow\x12\x0b\n\x03row\x18\x01 \x01(\x05\x12\x11\n\ttoken_ids\x18\x02 \x01(\x0c\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\x05\x12\x15\n\rsampling_json\x18\x04 \x01(\t\x12\x11\n\tblock_ids\x18\x05 \x01(\x0c\"\xb9\x02\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x03\x12\x12\n\nfreed_rows\x18\x02 \x01(\x0c\x12)\n\x08new_rows\x18\x03 \x03(\x0b\x32\x17.jaxserve.worker.NewRow\x12\x13\n\x0b\x61ppend_rows\x18\x04 \x01(\x0c\x12\x18\n\x10\x61ppend_block_ids\x18\x05 \x01(\x0c\x12\x0c\n\x04rows\x18\x06 \x01(\x0c\x12\x14\n\x0cnum_computed\x18\x07 \x01(\x0c\x12\x12\n\nnum_tokens\x18\x08 \x01(\x0c\x12\x0e\n\x06sample\x18\t \x01(\x0c\x12\x19\n\x11num_tokens_bucket\x18\n \x01(\x05\x12\x17\n\x0fnum_reqs_bucket\x18\x0b \x01(\x05\x12\x15\n\rtoken_bitmask\x18\x0c \x01(\x0c\x12\x1b\n\x13token_bitmask_words\x18\r \x01(\x05\"\xdd\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x03\x12\x11\n\ttoken_ids\x18\x02 \x01(\x0c\x12\x14\n\x0chas_logprobs\x18\x03 \x01(\x08\x12\x0f\n\x07logprob\x18\x04 \x01(\x0c\x12\x0c\n\x04rank\x18\x05 \x01(\x0c\x12\x18\n\x10num_top_logprobs\x18\x06 \x01(\x05\x12\x15\n\rtop_token_ids\x18\x07 \x01(\x0c\x12\x14\n\x0ctop_logprobs\x18\x08 \x01(\x0c\x12\x17\n\x0f\x65xecute_seconds\x18\t \x01(\x01\x12\x16\n\x0e\x64\x65vice_seconds\x18\n \x01(\x01\"\x0f\n\rHealthRequest\"\xa4\x01\n\x0cWorkerStatus\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\x10\n\x08platform\x18\x02 \x01(\t\x12\x17\n\x0fnum_executables\x18\x03 \x01(\x05\x12\x17\n\x0f\x63ompile_seconds\x18\x04 \x01(\x01\x12\x16\n\x0enum_cache_hits\x18\x05 \x01(\x05\x12\x16\n\x0enum_recompiles\x18\x06 \x01(\x03\x12\x11\n\tnum_steps\x18\x07 \x01(\x03\"(\n\x13StartProfileRequest\x12\x11\n\tdirectory\x18\x01 \x01(\t\"\x14\n\x12StopProfileRequest\"\x11\n\x0fProfileResponse\"\x11\n\x0fShutdownRequest\"\x12\n\x10ShutdownResponse2\xe7\x03\n\rWorkerService\x12K\n\nInitialize\x12\".jaxserve.worker.InitializeRequest\x1a\x19.jaxserve.worker.Geometry\x12\x41\n\x07\x45xecute\x12\x19.jaxserve.worker.StepPlan\x1a\x1b.jaxserve.worker.StepResult\x12G\n\x06Health\x12\x1e.jaxserve.worker.HealthRequest\x1a\x1d.jaxserve.worker.WorkerStatus\x12V\n\x0cStartProfile\x12$.jaxserve.worker.StartProfileRequest\x1a .jaxserve.worker.ProfileResponse\x12T\n\x0bStopProfile\x12#.jaxserve.worker.StopProfileRequest\x1a .jaxserve.worker.ProfileResponse\x12O\n\x08Shutdown\x12 .jaxserve.worker.ShutdownRequest\x1a!.jaxserve.worker.ShutdownResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,23 +38,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_NEWROW']._serialized_start=785
   _globals['_NEWROW']._serialized_end=894
   _globals['_STEPPLAN']._serialized_start=897
-  _globals['_STEPPLAN']._serialized_end=1158
-  _globals['_STEPRESULT']._serialized_start=1161
-  _globals['_STEPRESULT']._serialized_end=1382
-  _globals['_HEALTHREQUEST']._serialized_start=1384
-  _globals['_HEALTHREQUEST']._serialized_end=1399
-  _globals['_WORKERSTATUS']._serialized_start=1402
-  _globals['_WORKERSTATUS']._serialized_end=1566
-  _globals['_STARTPROFILEREQUEST']._serialized_start=1568
-  _globals['_STARTPROFILEREQUEST']._serialized_end=1608
-  _globals['_STOPPROFILEREQUEST']._serialized_start=1610
-  _globals['_STOPPROFILEREQUEST']._serialized_end=1630
-  _globals['_PROFILERESPONSE']._serialized_start=1632
-  _globals['_PROFILERESPONSE']._serialized_end=1649
-  _globals['_SHUTDOWNREQUEST']._serialized_start=1651
-  _globals['_SHUTDOWNREQUEST']._serialized_end=1668
-  _globals['_SHUTDOWNRESPONSE']._serialized_start=1670
-  _globals['_SHUTDOWNRESPONSE']._serialized_end=1688
-  _globals['_WORKERSERVICE']._serialized_start=1691
-  _globals['_WORKERSERVICE']._serialized_end=2178
+  _globals['_STEPPLAN']._serialized_end=1210
+  _globals['_STEPRESULT']._serialized_start=1213
+  _globals['_STEPRESULT']._serialized_end=1434
+  _globals['_HEALTHREQUEST']._serialized_start=1436
+  _globals['_HEALTHREQUEST']._serialized_end=1451
+  _globals['_WORKERSTATUS']._serialized_start=1454
+  _globals['_WORKERSTATUS']._serialized_end=1618
+  _globals['_STARTPROFILEREQUEST']._serialized_start=1620
+  _globals['_STARTPROFILEREQUEST']._serialized_end=1660
+  _globals['_STOPPROFILEREQUEST']._serialized_start=1662
+  _globals['_STOPPROFILEREQUEST']._serialized_end=1682
+  _globals['_PROFILERESPONSE']._serialized_start=1684
+  _globals['_PROFILERESPONSE']._serialized_end=1701
+  _globals['_SHUTDOWNREQUEST']._serialized_start=1703
+  _globals['_SHUTDOWNREQUEST']._serialized_end=1720
+  _globals['_SHUTDOWNRESPONSE']._serialized_start=1722
+  _globals['_SHUTDOWNRESPONSE']._serialized_end=1740
+  _globals['_WORKERSERVICE']._serialized_start=1743
+  _globals['_WORKERSERVICE']._serialized_end=2230
 # @@protoc_insertion_point(module_scope)

@@ -77,7 +77,7 @@ class NewRow(_message.Message):
     def __init__(self, row: _Optional[int] = ..., token_ids: _Optional[bytes] = ..., num_prompt_tokens: _Optional[int] = ..., sampling_json: _Optional[str] = ..., block_ids: _Optional[bytes] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "freed_rows", "new_rows", "append_rows", "append_block_ids", "rows", "num_computed", "num_tokens", "sample", "num_tokens_bucket", "num_reqs_bucket")
+    __slots__ = ("step_id", "freed_rows", "new_rows", "append_rows", "append_block_ids", "rows", "num_computed", "num_tokens", "sample", "num_tokens_bucket", "num_reqs_bucket", "token_bitmask", "token_bitmask_words")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     FREED_ROWS_FIELD_NUMBER: _ClassVar[int]
     NEW_ROWS_FIELD_NUMBER: _ClassVar[int]
@@ -89,6 +89,8 @@ class StepPlan(_message.Message):
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_BUCKET_FIELD_NUMBER: _ClassVar[int]
     NUM_REQS_BUCKET_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_BITMASK_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_BITMASK_WORDS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     freed_rows: bytes
     new_rows: _containers.RepeatedCompositeFieldContainer[NewRow]
@@ -100,7 +102,9 @@ class StepPlan(_message.Message):
     sample: bytes
     num_tokens_bucket: int
     num_reqs_bucket: int
-    def __init__(self, step_id: _Optional[int] = ..., freed_rows: _Optional[bytes] = ..., new_rows: _Optional[_Iterable[_Union[NewRow, _Mapping]]] = ..., append_rows: _Optional[bytes] = ..., append_block_ids: _Optional[bytes] = ..., rows: _Optional[bytes] = ..., num_computed: _Optional[bytes] = ..., num_tokens: _Optional[bytes] = ..., sample: _Optional[bytes] = ..., num_tokens_bucket: _Optional[int] = ..., num_reqs_bucket: _Optional[int] = ...) -> None: ...
+    token_bitmask: bytes
+    token_bitmask_words: int
+    def __init__(self, step_id: _Optional[int] = ..., freed_rows: _Optional[bytes] = ..., new_rows: _Optional[_Iterable[_Union[NewRow, _Mapping]]] = ..., append_rows: _Optional[bytes] = ..., append_block_ids: _Optional[bytes] = ..., rows: _Optional[bytes] = ..., num_computed: _Optional[bytes] = ..., num_tokens: _Optional[bytes] = ..., sample: _Optional[bytes] = ..., num_tokens_bucket: _Optional[int] = ..., num_reqs_bucket: _Optional[int] = ..., token_bitmask: _Optional[bytes] = ..., token_bitmask_words: _Optional[int] = ...) -> None: ...
 
 class StepResult(_message.Message):
     __slots__ = ("step_id", "token_ids", "has_logprobs", "logprob", "rank", "num_top_logprobs", "top_token_ids", "top_logprobs", "execute_seconds", "device_seconds")

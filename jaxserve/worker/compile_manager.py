@@ -429,6 +429,7 @@ class BackgroundCompile:
     def __init__(self, executables: Sequence[StepExecutable],
                  functions: dict[str, StepFunction], store: ProgramStore | None = None):
         self._stop = threading.Event()
+        self._functions = functions
         self.thread = threading.Thread(target=self._run, args=(list(executables), functions,
                                                               store),
                                        name="background-compile", daemon=True)
@@ -452,6 +453,14 @@ class BackgroundCompile:
             return
         logger.info("%d background executables ready in %.1f s", len(executables),
                     time.perf_counter() - start)
+
+    def wait_for(self, name: str) -> bool:
+        """Waits until executable ``name`` is ready; False if the thread ended without it."""
+        while name not in self._functions:
+            if not self.thread.is_alive():
+                return name in self._functions
+            self.thread.join(0.01)
+        return True
 
     def join(self, timeout: float | None = None) -> None:
         """Waits for every executable (or ``stop``)."""

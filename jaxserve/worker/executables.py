@@ -7,16 +7,19 @@ shapes and dtypes ``InProcessWorker`` later calls it with, as
 - body: ``run_body``, keyed on T (its packed buffer's layout follows T): one
   per T on the ladder;
 - sampler: ``run_sampler`` (LM head + sampler), keyed on R and the sampler
-  variant: |R ladder| × |SAMPLER_VARIANTS|;
+  variant: |R ladder| × |COMPILED_VARIANTS| (the MASKED variant, for steps
+  with structured-output rows, takes the step's token bitmask i32[R, W]);
 - rows: ``sync_rows`` per R (new rows' staged writes, padded to R) and
   ``set_penalty_row``: |R ladder| + 1.
 
 ``split_for_startup`` orders them for start-up: everything but the middle
-sampler variants is compiled before the worker is ready; the middle
-variants (``BACKGROUND_VARIANTS``) are compiled after, in a background
-thread, and until one is ready a step that would use it runs the cheapest
-ready variant that covers it (FULL covers every row, with FULL's tokens bit
-for bit: tests/worker/test_sampler_variants.py).
+sampler variants and MASKED is compiled before the worker is ready; those
+(``BACKGROUND_VARIANTS``) are compiled after, in a background thread. Until
+a middle variant is ready a step that would use it runs the cheapest ready
+variant that covers it (FULL covers every unconstrained row, with FULL's
+tokens bit for bit: tests/worker/test_sampler_variants.py); a step with a
+constrained row waits for MASKED (nothing else covers it), so structured
+outputs add nothing to the start-up.
 
 The body returns its sampling rows' hidden states in a fixed ``[M, D]``, so
 the body does not depend on R nor the sampler on T.
@@ -40,7 +43,8 @@ from jaxserve.worker.device_state import PenaltyState, host_rows, set_penalty_ro
 from jaxserve.worker.inputs import StepLayout
 from jaxserve.worker.model_runner import run_body, run_sampler
 from jaxserve.worker.rows import RowState
-from jaxserve.worker.sampler import FULL, GREEDY, SAMPLER_VARIANTS, SamplerVariant
+from jaxserve.worker.sampler import COMPILED_VARIANTS, FULL, GREEDY, SamplerVariant
+from jaxserve.worker.sampler.bitmask import num_words
 from jaxserve.worker.sampler.variants import STAGES
 
 _I32 = np.int32
@@ -113,9 +117,11 @@ def sampler_executable(shapes: LadderShapes, num_reqs: int, variant: SamplerVari
                         positions=shapes.spec((m,), _I32),
                         server_key=shapes.spec((2,), np.uint32))
     penalty = shapes.penalty if variant.processing else PenaltyState(None, None)
+    bitmask = (shapes.spec((num_reqs, num_words(shapes.rows.vocab_size)), _I32)
+               if variant.mask else None)
     fn = functools.partial(run_sampler, shapes.graphdef, num_reqs=num_reqs, variant=variant)
     args = (shapes.state, shapes.hidden, slots, shapes.device_rows, shapes.spec((m + 1,), _I32),
-            penalty.prompt_mask, penalty.output_counts)
+            penalty.prompt_mask, penalty.output_counts, bitmask)
     return StepExecutable("sampler", sampler_name(num_reqs, variant), fn, args,
                           donate=(4, 6), key=key)
 
@@ -126,8 +132,8 @@ def lower_body(shapes: LadderShapes, num_tokens: int) -> jax.stages.Lowered:
 
 
 def lower_sampler(shapes: LadderShapes, num_reqs: int) -> jax.stages.Lowered:
-    """``run_sampler`` lowered at R = ``num_reqs`` in the most general variant."""
-    return sampler_executable(shapes, num_reqs, SAMPLER_VARIANTS[-1]).lower()
+    """``run_sampler`` lowered at R = ``num_reqs`` in FULL (every unconstrained row)."""
+    return sampler_executable(shapes, num_reqs, FULL).lower()
 
 
 def shape_material(shapes: LadderShapes, with_kv_cache: bool = True) -> str:
@@ -149,8 +155,8 @@ def shape_material(shapes: LadderShapes, with_kv_cache: bool = True) -> str:
 
 
 # Compiled after the worker is ready (``split_for_startup``); GREEDY (the
-# cheapest) and FULL (which covers every row) are compiled before.
-BACKGROUND_VARIANTS = tuple(v for v in SAMPLER_VARIANTS if v not in (GREEDY, FULL))
+# cheapest) and FULL (which covers every unconstrained row) are compiled before.
+BACKGROUND_VARIANTS = tuple(v for v in COMPILED_VARIANTS if v not in (GREEDY, FULL))
 
 
 def split_for_startup(executables: list[StepExecutable]
@@ -173,7 +179,7 @@ def ladder_executables(shapes: LadderShapes, token_buckets: tuple[int, ...],
     out = [body_executable(shapes, t, shape_material(shapes)) for t in token_buckets]
     key = shape_material(shapes, with_kv_cache=False)
     out += [sampler_executable(shapes, r, variant, key)
-            for r in request_buckets for variant in SAMPLER_VARIANTS]
+            for r in request_buckets for variant in COMPILED_VARIANTS]
     full = shapes.device_rows
     for r in request_buckets:
         part = jax.tree.map(lambda x: shapes.spec((r,) + x.shape[1:], x.dtype), full)

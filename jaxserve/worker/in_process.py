@@ -79,7 +79,9 @@ from jaxserve.worker.executables import (LadderShapes, body_executable, ladder_e
 from jaxserve.worker.inputs import StepLayout, pack, query_input_ids
 from jaxserve.worker.kv_sizing import device_memory, num_kv_blocks, peak_activation_bytes
 from jaxserve.worker.rows import RowState
-from jaxserve.worker.sampler import SAMPLER_VARIANTS, SamplerOutput, SamplerVariant
+from jaxserve.worker.sampler import (COMPILED_VARIANTS, FULL, MASKED, SamplerOutput,
+                                     SamplerVariant)
+from jaxserve.worker.sampler.bitmask import ALL_ALLOWED, num_words
 
 logger = logging.getLogger(__name__)
 
@@ -312,7 +314,7 @@ class InProcessWorker:
             return peak_activation_bytes([
                 lower_body(shapes, max(init.token_buckets)).compile(),
                 lower_sampler(shapes, max(init.request_buckets)).compile()])
-        sampler = sampler_name(max(init.request_buckets), SAMPLER_VARIANTS[-1])
+        sampler = sampler_name(max(init.request_buckets), FULL)
         return peak_activation_bytes([compiled.functions[_SIZING_BODY].compiled,
                                       compiled.functions[sampler].compiled])
 
@@ -387,11 +389,17 @@ class InProcessWorker:
         input_ids = query_input_ids(rows, plan)
         if synced:
             self._sync_rows(np.array(sorted(synced), np.int32))
-        buffer = upload(pack(
+        buffer = pack(
             layout, seed=self.init.seed, step_id=plan.step_id, input_ids=input_ids,
             rows=plan.rows, num_computed=plan.num_computed, num_tokens=plan.num_tokens,
             sample=plan.sample, append_rows=append_rows, append_index=append_index,
-            append_blocks=append_blocks), self.placement)
+            append_blocks=append_blocks)
+        masked = r and plan.token_bitmask is not None
+        if masked:  # structured outputs: the bitmask travels in the step's one upload
+            buffer, bitmask = upload((buffer, self._padded_bitmask(plan.token_bitmask, r)),
+                                     self.placement)
+        else:
+            buffer, bitmask = upload(buffer, self.placement), None
         dispatched = time.perf_counter()
         self.kv_cache, block_table, hidden, slots = self._call(
             f"body[T={layout.num_tokens}]", functools.partial(
@@ -402,14 +410,14 @@ class InProcessWorker:
         if not r:
             return PendingStep(plan.step_id, 0, None, False, slots.rows, dispatched,
                                dispatched - start, self._clock, self._count)
-        variant = self._ready_variant(r, rows.sampler_variant(sample_rows))
+        variant = self._ready_variant(r, MASKED if masked else rows.sampler_variant(sample_rows))
         rows.count_sampled(sample_rows)
         penalty = self.penalty if variant.processing else ds.PenaltyState(None, None)
         out, self.last_token, counts = self._call(
             sampler_name(r, variant), functools.partial(
                 mr.run_sampler, self.graphdef, num_reqs=r, variant=variant),
             self.state, hidden, slots, self.device_rows, self.last_token,
-            penalty.prompt_mask, penalty.output_counts)
+            penalty.prompt_mask, penalty.output_counts, bitmask)
         if variant.processing:
             self.penalty = ds.PenaltyState(self.penalty.prompt_mask, counts)
         self.executed_variants[variant_name(variant)] += 1
@@ -419,17 +427,39 @@ class InProcessWorker:
         return PendingStep(plan.step_id, len(sample_rows), out, logprobs, out.token_ids,
                            dispatched, dispatched - start, self._clock, self._count)
 
+    def _padded_bitmask(self, bitmask: np.ndarray, r: int) -> np.ndarray:
+        """The plan's i32[s, W] bitmask padded to i32[R, W] with all-allowed rows."""
+        s, words = bitmask.shape
+        if words != num_words(self.rows.vocab_size):
+            raise ValueError(f"token_bitmask has {words} words per row, the vocabulary of "
+                             f"{self.rows.vocab_size} needs {num_words(self.rows.vocab_size)}")
+        out = np.full((r, words), ALL_ALLOWED, np.int32)
+        out[:s] = bitmask
+        return out
+
     def _ready_variant(self, r: int, needed: SamplerVariant) -> SamplerVariant:
         """The cheapest compiled sampler variant at R = ``r`` that covers ``needed``.
 
         ``needed`` itself once compiled; before that (a variant compiled in the
         background) a wider one, FULL at worst, whose tokens are the same.
-        With ``precompile`` off, ``needed`` (compiled on first use).
+        MASKED (a step with structured-output rows) has nothing wider: until
+        its background compile is done the step waits for it, never compiling
+        in the step. With ``precompile`` off, ``needed`` (compiled on first use).
+
+        Raises:
+          RuntimeError: MASKED is needed and its background compile failed.
         """
         if not self.init.precompile:
             return needed
-        return next(v for v in SAMPLER_VARIANTS
-                    if v.covers(needed) and sampler_name(r, v) in self.functions)
+        ready = [v for v in COMPILED_VARIANTS
+                 if v.covers(needed) and sampler_name(r, v) in self.functions]
+        if ready:
+            return ready[0]
+        name = sampler_name(r, needed)
+        logger.info("step waits for the background compile of %s", name)
+        if self.background_compile is None or not self.background_compile.wait_for(name):
+            raise RuntimeError(f"{name} is not compiled (its background compile failed)")
+        return needed
 
     def _sync_rows(self, rows: np.ndarray) -> None:
         """One staged write of whole rows (host mirror → device), padded to an R bucket."""

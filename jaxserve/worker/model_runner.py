@@ -18,7 +18,8 @@ tests and the benchmarks all run it.
   model parity tests compare them with transformers).
 
 So the step executables number |T ladder| + |R ladder| × |variants|, not a
-product with T; every one is compiled at start-up (``executables``).
+product with T; ``executables`` says which are compiled at start-up and which
+in the background after.
 """
 
 from __future__ import annotations
@@ -89,7 +90,8 @@ def run_body_logits(graphdef: StaticGraph, state: dict, kv_cache: KVCache,
                    donate_argnames=("last_token", "output_counts"))
 def run_sampler(graphdef: StaticGraph, state: dict, hidden: jax.Array, slots: SampleSlots,
                 device_rows: DeviceRows, last_token: jax.Array, prompt_mask: jax.Array | None,
-                output_counts: jax.Array | None, *, num_reqs: int, variant: SamplerVariant
+                output_counts: jax.Array | None, token_bitmask: jax.Array | None = None, *,
+                num_reqs: int, variant: SamplerVariant
                 ) -> tuple[SamplerOutput, jax.Array, jax.Array | None]:
     """Logits of the first R slots, then one token per row.
 
@@ -99,6 +101,9 @@ def run_sampler(graphdef: StaticGraph, state: dict, hidden: jax.Array, slots: Sa
       last_token: i32[M + 1], donated.
       prompt_mask, output_counts: bool / i32[M + 1, V] (``output_counts``
         donated) in variants that apply penalties, else None.
+      token_bitmask: i32[R, ceil(V / 32)] allowed tokens per slot in the
+        MASKED variant (structured outputs; uploaded with the step's buffer),
+        else None.
       num_reqs: R, the request bucket (static).
       variant: the sampler variant (static; ``jaxserve.worker.sampler``).
 
@@ -123,7 +128,7 @@ def run_sampler(graphdef: StaticGraph, state: dict, hidden: jax.Array, slots: Sa
     with jax.named_scope("sampler"):  # scope name: benchmarks/step_profile.py
         # With tensor parallelism every device draws the same tokens from full rows.
         out = on_every_device(functools.partial(sample, variant=variant), model.mesh)(
-            logits, metadata, slots.server_key)
+            logits, metadata, slots.server_key, token_bitmask)
     last_token = last_token.at[rows].set(out.token_ids)
     if output_counts is not None:
         output_counts = output_counts.at[rows, out.token_ids].add(1)

@@ -9,10 +9,13 @@ that certificate. The official ``openai`` client (sync and async) and raw
 - Completions and chat completions, streamed and not: greedy streamed deltas
   concatenate to the non-streamed text; the tokens (``return_tokens_as_token_ids``)
   equal the gRPC service's on the same server; ``n = 2`` returns two choices;
-  logprobs and usage have the documented shapes.
+  logprobs and usage have the documented shapes. Structured outputs
+  (``response_format`` json_schema / json_object, vLLM's ``structured_outputs``
+  choice / regex) follow their constraint.
 - Both transports refuse calls without the key (401 / ``UNAUTHENTICATED``);
   health stays open.
-- A table of bad requests: each gets its status and an error body naming the
+- A table of bad requests (a schema or regex that does not compile among
+  them): each gets its status and an error body naming the
   parameter; afterwards the server still serves and every KV block is free.
 - 64 concurrent streamed requests all finish; 20 clients that disconnect
   mid-stream, and 4 that give up waiting for a whole response, free every block.
@@ -25,10 +28,12 @@ import datetime
 import ipaddress
 import json
 import pathlib
+import re
 import ssl
 
 import grpc
 import httpx
+import jsonschema
 import openai
 import pytest
 
@@ -187,6 +192,34 @@ def test_completion_batch_prompts_and_echo(oai):
     assert echoed.choices[0].text == PROMPT + by_index[0]
 
 
+def test_structured_outputs_response_format_and_extra_body(oai, grpc_client):
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
+                                               "population_millions": {"type": "integer"}},
+              "required": ["city", "population_millions"], "additionalProperties": False}
+    reply = oai.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=48, temperature=1.0, seed=3, n=2,
+        response_format={"type": "json_schema",
+                         "json_schema": {"name": "city", "schema": schema, "strict": True}})
+    for choice in reply.choices:
+        assert choice.finish_reason == "stop", choice.message.content
+        jsonschema.validate(json.loads(choice.message.content), schema)
+    anything = oai.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=64,
+                                           temperature=0, response_format={"type": "json_object"})
+    if anything.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(anything.choices[0].message.content), dict)
+    choices = ["yes", "no"]
+    picked = oai.completions.create(model=MODEL, prompt="Is Paris in France? Answer:",
+                                    max_tokens=8, temperature=1.0, n=2,
+                                    extra_body={"structured_outputs": {"choice": choices}})
+    assert all(c.text in choices and c.finish_reason == "stop" for c in picked.choices)
+    digits = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0,
+                                    extra_body={"structured_outputs": {"regex": "[0-9]{4}"}})
+    assert re.fullmatch("[0-9]{4}", digits.choices[0].text)
+    via_grpc = grpc_client.generate(PROMPT, max_tokens=8, temperature=0,
+                                    structured_outputs={"regex": "[0-9]{4}"})
+    assert via_grpc.text == digits.choices[0].text
+
+
 # ---------------------------------------------------------------- security
 def test_api_key_is_required_on_both_transports(server, grpc_client):
     for headers in ({}, {"Authorization": "Bearer wrong"}):
@@ -242,7 +275,17 @@ BAD_REQUESTS = [
     ("chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {
         "name": "f"}}]}, 400, "tools"),
     ("chat/completions", {"messages": CHAT, "response_format": {"type": "json_schema"}}, 400,
-     "response_format"),
+     "response_format.json_schema"),
+    ("chat/completions", {"messages": CHAT, "response_format": {"type": "xml"}}, 400,
+     "response_format.type"),
+    ("chat/completions", {"messages": CHAT, "response_format": {"type": "json_schema",
+     "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}}, 400, "response_format"),
+    ("completions", {"prompt": "x", "structured_outputs": {"regex": "a(b"}}, 400,
+     "structured_outputs.regex"),
+    ("completions", {"prompt": "x", "structured_outputs": {"choice": []}}, 400,
+     "structured_outputs.choice"),
+    ("completions", {"prompt": "x", "structured_outputs": {"regex": "a"}, "ignore_eos": True},
+     400, "structured_outputs"),
     ("chat/completions", {"messages": CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
     ("chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 50}, 400,
      "top_logprobs"),

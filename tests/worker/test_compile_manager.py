@@ -25,7 +25,7 @@ from jaxserve.step_plan import RecompileError
 from jaxserve.worker import InProcessWorker
 from jaxserve.worker.compile_manager import COUNTER, RecompileGuard
 from jaxserve.worker.executables import BACKGROUND_VARIANTS
-from jaxserve.worker.sampler import SAMPLER_VARIANTS
+from jaxserve.worker.sampler import COMPILED_VARIANTS
 from tests.model.hf_tiny import make_tiny_model
 
 VOCAB = 256
@@ -64,7 +64,7 @@ def test_500_random_requests_compile_nothing_after_warm_up(tiny):
     report = worker.compile_report
     # Before ready: GREEDY and FULL samplers; the middle variants in the background.
     assert report.by_kind == {"body": len(T_LADDER),
-                              "sampler": (len(SAMPLER_VARIANTS) - len(BACKGROUND_VARIANTS))
+                              "sampler": (len(COMPILED_VARIANTS) - len(BACKGROUND_VARIANTS))
                               * len(R_LADDER), "rows": len(R_LADDER) + 1}
     worker.background_compile.join()
     for thread in threading.enumerate():  # any other worker's of this process, too
@@ -72,9 +72,9 @@ def test_500_random_requests_compile_nothing_after_warm_up(tiny):
             thread.join()
     samplers = [name for name in worker.functions if name.startswith("sampler[")]
     # The step executables: |T| + |variants| x |R|, not a product with T.
-    assert len(samplers) == len(SAMPLER_VARIANTS) * len(R_LADDER)
+    assert len(samplers) == len(COMPILED_VARIANTS) * len(R_LADDER)
     assert report.by_kind["body"] + len(samplers) < (
-        len(T_LADDER) * len(R_LADDER) * len(SAMPLER_VARIANTS))
+        len(T_LADDER) * len(R_LADDER) * len(COMPILED_VARIANTS))
     compiles_after_warm_up = COUNTER.compiles
     rng = random.Random(500)
     finished, submitted, step = set(), 0, 0

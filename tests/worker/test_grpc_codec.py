@@ -42,6 +42,11 @@ def _assert_same(a, b):
 
 
 def _random_params(rng: random.Random) -> SamplingParams:
+    if rng.random() < 0.3:
+        return SamplingParams(temperature=rng.choice([0.0, 1.0]), structured_outputs=rng.choice([
+            {"json": {"type": "object", "properties": {"é": {"type": "integer"}}}},
+            {"regex": "[a-z]+"}, {"choice": ["yes", "no"]}, {"json_object": True},
+            {"grammar": 'start: "a"+'}]))
     return SamplingParams(
         n=1, temperature=rng.choice([0.0, 0.7, 1.3]), top_p=rng.choice([1.0, 0.9]),
         top_k=rng.choice([0, 5]), min_p=rng.choice([0.0, 0.05]), seed=rng.choice([None, 3, -7,
@@ -63,14 +68,19 @@ def _random_plan(rng: random.Random, step_id: int) -> StepPlan:
                block_ids=i32([rng.randrange(1, 9999) for _ in range(rng.randrange(0, 5))]))
         for p in (rng.randrange(1, 40) for _ in range(rng.randrange(0, 3))))
     a = rng.randrange(0, 5)
+    sample = np.array([rng.random() < 0.5 for _ in range(n)], np.bool_)
+    mask = None
+    if sample.any() and rng.random() < 0.4:
+        mask = np.array([[rng.randrange(-2**31, 2**31) for _ in range(7)]
+                         for _ in range(int(sample.sum()))], np.int32)
     return StepPlan(
         step_id=step_id, freed_rows=i32(rng.sample(range(64), rng.randrange(0, 4))),
         new_rows=new_rows, append_rows=i32([rng.randrange(64) for _ in range(a)]),
         append_block_ids=i32([rng.randrange(1, 9999) for _ in range(a)]),
         rows=i32(rng.sample(range(64), n)), num_computed=i32([rng.randrange(2**20) for _ in range(n)]),
         num_tokens=i32([rng.randrange(1, 512) for _ in range(n)]),
-        sample=np.array([rng.random() < 0.5 for _ in range(n)], np.bool_),
-        num_tokens_bucket=rng.choice([1, 4, 512]), num_reqs_bucket=rng.choice([0, 8, 256]))
+        sample=sample, num_tokens_bucket=rng.choice([1, 4, 512]),
+        num_reqs_bucket=rng.choice([0, 8, 256]), token_bitmask=mask)
 
 
 def test_random_plans_round_trip_exactly():

@@ -31,7 +31,7 @@ from jaxserve.sampling_params import SamplingParams
 from jaxserve.step_plan import NewRow, StepPlan
 from jaxserve.worker import InProcessWorker, server
 from jaxserve.worker.executables import BACKGROUND_VARIANTS
-from jaxserve.worker.sampler import SAMPLER_VARIANTS
+from jaxserve.worker.sampler import COMPILED_VARIANTS
 from tests.model.hf_tiny import make_tiny_model
 
 VOCAB = 256
@@ -143,7 +143,7 @@ def test_status_health_errors_profile_and_reinitialize(tiny_dir, tmp_path):
         assert status.ready and status.platform == "cpu" and status.num_recompiles == 0
         # Before ready: |T| bodies, |R| x the variants not compiled in the background,
         # |R| staged row writes, set_penalty_row
-        eager = len(SAMPLER_VARIANTS) - len(BACKGROUND_VARIANTS)
+        eager = len(COMPILED_VARIANTS) - len(BACKGROUND_VARIANTS)
         assert status.num_executables == (len(T_LADDER) + eager * len(R_LADDER)
                                           + len(R_LADDER) + 1)
         with pytest.raises(ValueError, match="not on the ladders"):

@@ -169,7 +169,7 @@ def test_only_ladder_shapes_reach_the_executables(tiny, monkeypatch):
             _, _, block_table, last_token, buffer = args
             shapes.add(("T", bucket, buffer.shape, (block_table.shape, last_token.shape)))
         elif name.startswith("sampler["):
-            _, hidden, _, _, last_token, _, _ = args
+            _, hidden, _, _, last_token, _, _, _ = args
             shapes.add(("R", bucket, name, (hidden.shape, last_token.shape)))
         assert name in self.functions, f"{name} was not compiled at start-up"
         return run(self, name, jitted, *args)

@@ -24,7 +24,7 @@ from jax.sharding import AbstractDevice
 
 from jaxserve.worker import program_store as ps
 from jaxserve.worker.compile_manager import StepExecutable, compile_all, trace_program
-from jaxserve.worker.sampler import SAMPLER_VARIANTS
+from jaxserve.worker.sampler import COMPILED_VARIANTS
 from pallas_kernels.gpu_target import TRITON_CUSTOM_CALL, abstract_gpu
 from tests.worker.tiny_ladder import tiny_pallas_ladder
 
@@ -40,7 +40,7 @@ def ladder(tmp_path_factory):
 def test_the_served_step_exported_for_cuda_round_trips_through_the_store(ladder, tmp_path):
     names = [exe.name for exe in ladder]
     assert sum(n.startswith("body[") for n in names) == 2
-    assert sum(n.startswith("sampler[") for n in names) == len(SAMPLER_VARIANTS)
+    assert sum(n.startswith("sampler[") for n in names) == len(COMPILED_VARIANTS)
     store = ps.ProgramStore(tmp_path / "programs")
     for exe in ladder:
         with abstract_gpu():

@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import pytest
 
-from jaxserve.worker.sampler import SAMPLER_VARIANTS
+from jaxserve.worker.sampler import COMPILED_VARIANTS
 from tests.hlo_checks import assert_no_control_flow, lower_for_cuda
 from tests.worker.tiny_ladder import tiny_pallas_ladder
 
@@ -32,7 +32,7 @@ def _lower_for_cuda(exe) -> str:
 def test_the_ladder_covers_every_kind_and_variant(ladder):
     names = [exe.name for exe in ladder]
     assert sum(n.startswith("body[") for n in names) == 3
-    assert sum(n.startswith("sampler[") for n in names) == 2 * len(SAMPLER_VARIANTS)
+    assert sum(n.startswith("sampler[") for n in names) == 2 * len(COMPILED_VARIANTS)
     assert {exe.kind for exe in ladder} == {"body", "sampler", "rows"}
 
 

@@ -5,8 +5,11 @@ Chat Completions) and vLLM's extensions to it (``top_k``, ``min_p``,
 ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
 ``include_stop_str_in_output``, ``skip_special_tokens``,
 ``spaces_between_special_tokens``, ``add_generation_prompt``, ``cache_salt``,
-``request_id``, ``return_tokens_as_token_ids``), so requests written for
-vLLM's server work unchanged.
+``request_id``, ``return_tokens_as_token_ids``, ``structured_outputs``), so
+requests written for vLLM's server work unchanged. Structured outputs come
+as OpenAI's ``response_format`` (``text``, ``json_object``, ``json_schema``)
+or vLLM's ``structured_outputs`` object (``json``, ``json_object``,
+``regex``, ``choice``, ``grammar``), on both endpoints.
 
 A field the request does not set stays ``None`` and takes the server's
 default (the model's generation config, else ``SamplingParams``' default).
@@ -94,6 +97,9 @@ class SamplingFields(_Body):
     cache_salt: str | None = None
     request_id: str | None = None
     return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:<id>"
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -140,7 +146,6 @@ class ChatCompletionRequest(SamplingFields):
     functions: list[Any] | None = None
     function_call: Any = None
     parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
     modalities: list[str] | None = None
     audio: Any = None
     prediction: Any = None

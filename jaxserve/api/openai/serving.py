@@ -104,8 +104,40 @@ class OpenAIServing:
                                       f"keys must be token ids, got {key!r}") from None
             kwargs["logit_bias"] = bias
         renames = {"max_tokens": max_tokens_param, "logprobs": logprobs_param}
+        structured = self._structured_outputs(body)
+        if structured is not None:
+            kwargs["structured_outputs"], source = structured
+            if source == "response_format":
+                renames.update({"structured_outputs": "response_format",
+                                "structured_outputs.json": "response_format.json_schema.schema",
+                                "structured_outputs.json_object": "response_format"})
         with self._errors(renames):
             return self.runner.preparer.sampling_params(kwargs)
+
+    def _structured_outputs(self, body: SamplingFields) -> tuple[dict[str, Any], str] | None:
+        """(structured outputs, the field they came from) of ``response_format`` (OpenAI's:
+        ``text``, ``json_object``, ``json_schema``) or ``structured_outputs`` (vLLM's); None."""
+        fmt = body.response_format
+        if fmt is not None and fmt.get("type") != "text":
+            if body.structured_outputs is not None:
+                raise bad_request(self.runner, "structured_outputs",
+                                  "set structured_outputs or response_format, not both")
+            kind = fmt.get("type")
+            if kind == "json_object":
+                return {"json_object": True}, "response_format"
+            if kind != "json_schema":
+                raise bad_request(self.runner, "response_format.type",
+                                  f"must be text, json_object or json_schema, got {kind!r}")
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), (dict, bool)):
+                raise bad_request(self.runner, "response_format.json_schema",
+                                  "needs a schema (an object): {\"name\": ..., \"schema\": "
+                                  "{...}}")
+            schema = spec["schema"]
+            return {"json": schema if isinstance(schema, dict) else {}}, "response_format"
+        if body.structured_outputs is not None:
+            return dict(body.structured_outputs), "structured_outputs"
+        return None
 
     @contextlib.contextmanager
     def _errors(self, renames: dict[str, str]) -> Iterator[None]:
@@ -184,6 +216,17 @@ class OpenAIServing:
                 rid = request_id if len(prepared) == 1 else f"{request_id}-{i}"
                 started.append(await self.runner.start(p, request_id=rid, stream=body.stream,
                                                        cache_salt=body.cache_salt or ""))
+        except ApiError as err:
+            for running in started:
+                running.close()
+            # The engine refuses a schema / regex / grammar that does not compile.
+            field = err.field or ""
+            if not field.startswith("sampling_params.structured_outputs"):
+                raise
+            fmt = body.response_format
+            param = ("response_format" if fmt is not None and fmt.get("type") != "text"
+                     else field.removeprefix("sampling_params."))
+            raise ApiError(err.code, param + err.message[len(field):], param) from None
         except BaseException:
             for running in started:
                 running.close()
@@ -224,9 +267,6 @@ class OpenAIServing:
           ApiError: before anything is sent (bad input, queue full, not serving).
         """
         self._admissible(body)
-        if body.response_format is not None and body.response_format.get("type") != "text":
-            raise bad_request(self.runner, "response_format",
-                              "only {\"type\": \"text\"} is supported")
         if body.max_tokens is not None and body.max_completion_tokens is not None:
             raise bad_request(self.runner, "max_completion_tokens",
                               "set max_completion_tokens or max_tokens, not both")

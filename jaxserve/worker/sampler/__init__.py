@@ -5,7 +5,7 @@ row; see ``variants.py`` for the static variants the host chooses between
 (``choose_variant``), ``sampler.py`` for the order of operations,
 ``gumbel.py`` for the sampling method and seeding, ``top_k_top_p.py`` and
 ``threshold_search.py`` for the filters, ``penalties.py`` for bias, bans and
-penalties, ``logprobs.py`` for logprobs, and ``reference.py`` for the NumPy
+penalties, ``logprobs.py`` for logprobs, ``bitmask.py`` for structured-output masks, and ``reference.py`` for the NumPy
 reference used by the tests.
 """
 
@@ -14,12 +14,15 @@ from jaxserve.worker.sampler.metadata import (SamplingMetadata, build_sampling_m
                                               update_output_counts)
 from jaxserve.worker.sampler.sampler import SamplerOutput, process_logits, sample
 from jaxserve.worker.sampler.top_k_top_p import NUM_CANDIDATES
-from jaxserve.worker.sampler.variants import (FULL, GREEDY, PROCESSED, SAMPLED,
+from jaxserve.worker.sampler.variants import (COMPILED_VARIANTS, FULL, GREEDY, MASKED,
+                                              PROCESSED, SAMPLED,
                                               SAMPLER_VARIANTS, SamplerVariant, choose_variant, covering_variant)
 
 __all__ = [
+    "COMPILED_VARIANTS",
     "FULL",
     "GREEDY",
+    "MASKED",
     "NUM_CANDIDATES",
     "PROCESSED",
     "SAMPLED",

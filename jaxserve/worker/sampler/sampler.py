@@ -11,6 +11,9 @@ inside a variant every included stage runs for all rows, merged with
 Order of operations (vLLM V1's ``Sampler``), with the variant flag that
 includes each stage:
 
+0. the structured-output token bitmask: disallowed tokens -> -inf, before
+   everything else, so every later stage and the logprobs see the masked
+   distribution (``bitmask.py``)                                   [``mask``];
 1. logit bias; min-tokens bans (EOS and stop ids -> -inf);
 2. repetition / frequency / presence penalties       [1-2: ``processing``];
 3. greedy rows (temperature < 1e-5): argmax of the result          [always];
@@ -36,6 +39,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jaxserve.worker.sampler.bitmask import apply_token_bitmask
 from jaxserve.worker.sampler.gumbel import gumbel_max_candidates, gumbel_max_full, row_keys
 from jaxserve.worker.sampler.logprobs import token_logprobs
 from jaxserve.worker.sampler.metadata import SamplingMetadata, is_greedy
@@ -82,8 +86,8 @@ def process_logits(logits: jax.Array, metadata: SamplingMetadata) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("variant", "num_candidates"))
-def sample(logits: jax.Array, metadata: SamplingMetadata, server_key: jax.Array, *,
-           variant: SamplerVariant = FULL,
+def sample(logits: jax.Array, metadata: SamplingMetadata, server_key: jax.Array,
+           token_bitmask: jax.Array | None = None, *, variant: SamplerVariant = FULL,
            num_candidates: int = NUM_CANDIDATES) -> SamplerOutput:
     """Samples one token per row.
 
@@ -92,8 +96,10 @@ def sample(logits: jax.Array, metadata: SamplingMetadata, server_key: jax.Array,
       metadata: ``SamplingMetadata`` for R rows over the same V.
       server_key: threefry key (typed, or raw u32[2]) for unseeded rows; pass
         a fresh one each step (e.g. ``jax.random.fold_in(base, step)``).
+      token_bitmask: i32[R, ceil(V / 32)], the allowed tokens per row
+        (``bitmask.py``), in variants with ``mask``; else None.
       variant: static; the stages compiled in (default FULL, exact for every
-        row). Results are exact only for rows the variant covers
+        unconstrained row). Results are exact only for rows the variant covers
         (``choose_variant`` picks one that covers every row).
       num_candidates: static KC, the top-k fast-path width (tests lower it).
 
@@ -102,14 +108,19 @@ def sample(logits: jax.Array, metadata: SamplingMetadata, server_key: jax.Array,
 
     Raises:
       ValueError: at trace time, when the shapes of ``logits`` and
-        ``metadata`` disagree.
+        ``metadata`` (or ``token_bitmask``) disagree, or ``token_bitmask`` is
+        missing in a ``mask`` variant (or given in another).
     """
     m = metadata
     rows, vocab = logits.shape
     if m.prompt_mask.shape != (rows, vocab) or m.temperature.shape != (rows,):
         raise ValueError(f"logits {logits.shape} and metadata (R={m.num_rows}, "
                          f"V={m.vocab_size}) disagree")
+    if variant.mask != (token_bitmask is not None):
+        raise ValueError(f"token_bitmask must be given exactly in mask variants ({variant})")
     raw = logits.astype(jnp.float32)  # [R, V]
+    if variant.mask:
+        raw = apply_token_bitmask(raw, token_bitmask)  # [R, V]: disallowed at -inf
     processed = process_logits(raw, m) if variant.processing else raw  # [R, V] f32
     greedy = is_greedy(m.temperature)  # [R] bool
     temperature = jnp.where(greedy, 1.0, m.temperature)  # [R] f32

@@ -26,10 +26,16 @@ needs it. Stages and the rows that need them (``T`` = temperature, KC =
   rows too) with a logit-bias id, an active ban, or a penalty switched on.
 - ``logprobs``: the logprob outputs: any row with num_logprobs >= 0. Without
   it the outputs hold the no-logprobs values (NaN, -1, -inf, -1).
+- ``mask``: the structured-output token bitmask (``bitmask.py``), applied to
+  the raw logits before every other stage: any step with a constrained row
+  (the host knows: the plan carries a bitmask). Only MASKED has it.
 
-The compiled variants (``SAMPLER_VARIANTS``, cheapest first): GREEDY (argmax
-only), SAMPLED (temperature, filters from the candidates, Gumbel draws),
-PROCESSED (SAMPLED + processing + logprobs) and FULL (PROCESSED + search).
+The variants chosen from sampling parameters (``SAMPLER_VARIANTS``, cheapest
+first): GREEDY (argmax only), SAMPLED (temperature, filters from the
+candidates, Gumbel draws), PROCESSED (SAMPLED + processing + logprobs) and
+FULL (PROCESSED + search), which covers every unconstrained row. A step with
+a constrained row runs MASKED (FULL + mask), so unconstrained steps pay
+nothing for the mask. The server compiles ``COMPILED_VARIANTS`` (all five).
 The searches (64 passes over [R, V]) cost far more than every other stage
 (XLA on a 2-core CPU, R = 64, V = 49,152: PROCESSED ~27 ms per call, FULL
 ~150-180 ms), so only batches with a row that may need them pay for them.
@@ -49,7 +55,7 @@ import numpy as np
 from jaxserve.sampling_params import SAMPLING_EPS
 from jaxserve.worker.sampler.top_k_top_p import NUM_CANDIDATES
 
-STAGES = ("random", "filters", "search", "processing", "logprobs")
+STAGES = ("random", "filters", "search", "processing", "logprobs", "mask")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -62,6 +68,7 @@ class SamplerVariant:
       search: the exact threshold searches past the candidates.
       processing: logit bias, min-tokens bans, penalties.
       logprobs: the logprob outputs.
+      mask: the structured-output token bitmask, before every other stage.
 
     Raises:
       ValueError: ``search`` without ``filters``, or ``filters`` without
@@ -73,6 +80,7 @@ class SamplerVariant:
     search: bool = True
     processing: bool = True
     logprobs: bool = True
+    mask: bool = False
 
     def __post_init__(self) -> None:
         if self.search and not self.filters:
@@ -85,14 +93,17 @@ class SamplerVariant:
         return all(getattr(self, s) or not getattr(needed, s) for s in STAGES)
 
 
-# The variants a server compiles per R, cheapest first; FULL, the last, covers
-# every row. PROCESSED is everything but the searches (see the module docstring).
+# The variants chosen from sampling parameters, cheapest first; FULL, the last,
+# covers every unconstrained row. PROCESSED is everything but the searches
+# (see the module docstring). MASKED covers every row, constrained ones too.
 GREEDY = SamplerVariant(random=False, filters=False, search=False, processing=False,
                         logprobs=False)  # argmax only
 SAMPLED = SamplerVariant(search=False, processing=False, logprobs=False)
 PROCESSED = SamplerVariant(search=False)
 FULL = SamplerVariant()
 SAMPLER_VARIANTS = (GREEDY, SAMPLED, PROCESSED, FULL)
+MASKED = SamplerVariant(mask=True)
+COMPILED_VARIANTS = (*SAMPLER_VARIANTS, MASKED)  # what a server compiles per R
 
 
 def required_stages(temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray,
@@ -160,8 +171,8 @@ def choose_variant(temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray
 
 
 def covering_variant(needed: SamplerVariant) -> SamplerVariant:
-    """The cheapest variant in ``SAMPLER_VARIANTS`` that includes every stage of ``needed``."""
-    for variant in SAMPLER_VARIANTS:
+    """The cheapest variant in ``COMPILED_VARIANTS`` that includes every stage of ``needed``."""
+    for variant in COMPILED_VARIANTS:
         if variant.covers(needed):
             return variant
-    raise AssertionError(f"no variant covers {needed}")  # FULL covers everything
+    raise AssertionError(f"no variant covers {needed}")  # MASKED covers everything
