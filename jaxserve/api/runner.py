@@ -13,7 +13,12 @@ a ``PreparedRequest`` and ``ApiError`` codes to its own statuses. In order:
    flight — ``max_num_seqs`` running plus a bounded waiting queue — else
    ``RESOURCE_EXHAUSTED``; then the request is routed to a data-parallel
    replica (``EngineGroup``; one in a plain server), its output queue
-   registered there and the request added to that replica's engine;
+   registered there and the request added to that replica's engine under an
+   **engine request id** unique to this call (``<request_id>-<8 hex>``, as
+   vLLM's internal request id): the client's id may be reused as soon as its
+   request finished here, while the engine still drops the old one (a stop
+   string's abort is in flight, its last tokens are on the wire), and the
+   registration, abort and outputs of each call never touch another's;
 4. ``RunningRequest.responses()`` turns engine outputs into
    ``GenerateResponse`` messages (``RequestTracker``: detokenization, stop
    strings; a stop string aborts that completion in the engine);
@@ -168,7 +173,7 @@ class RequestRunner:
         arrival = time.monotonic()
         self.check_ready()
         rid = request_id or f"req-{uuid.uuid4().hex}"
-        if self.engine.is_registered(rid):
+        if rid in self._queues:
             raise self.reject(grpc.StatusCode.INVALID_ARGUMENT,
                               f"request_id: {rid!r} is already running", "request_id")
         n = prepared.params.n
@@ -178,17 +183,18 @@ class RequestRunner:
                               f"in flight, at most {self.max_pending_seqs}); retry later")
         tracker = RequestTracker(rid, self.preparer.tokenizer, prepared.prompt_token_ids,
                                  prepared.params, stream=stream, arrival_time=arrival)
+        engine_rid = f"{rid}-{uuid.uuid4().hex[:8]}"  # unique to this call (module docstring)
         try:
-            queue = self.engine.register(rid)  # routes it to a replica
+            queue = self.engine.register(engine_rid)  # routes it to a replica
         except EngineError as err:
             raise self.reject(err.code, err.message) from None
-        running = RunningRequest(self, rid, tracker, queue, n, arrival,
+        running = RunningRequest(self, rid, engine_rid, tracker, queue, n, arrival,
                                  None if timeout is None else arrival + timeout)
         self._queues[rid] = running.queue
         self.num_pending_seqs += n
         try:
             await self.engine.add(EngineCoreRequest(
-                rid, prepared.prompt_token_ids, prepared.params, time.time(),
+                engine_rid, prepared.prompt_token_ids, prepared.params, time.time(),
                 cache_salt or None))
         except EngineError as err:
             running.close()
@@ -206,8 +212,8 @@ class RequestRunner:
 
     def _release(self, running: "RunningRequest") -> None:
         if not running.tracker.done:
-            self.spawn(self.engine.abort([running.request_id]))
-        self.engine.unregister(running.request_id)
+            self.spawn(self.engine.abort([running.engine_request_id]))
+        self.engine.unregister(running.engine_request_id)
         self._queues.pop(running.request_id, None)
         self.num_pending_seqs -= running.num_seqs
         stats = running.tracker.completion_stats()
@@ -223,15 +229,17 @@ class RunningRequest:
     """A request admitted to the engine: its responses, then ``close()``.
 
     Attributes:
-      request_id: the engine's id for it.
+      request_id: the client's id for it (in every response).
+      engine_request_id: the engine's id for it, unique to this call.
       tracker: its ``RequestTracker`` (prompt and completion counts for usage).
     """
 
-    def __init__(self, runner: RequestRunner, request_id: str, tracker: RequestTracker,
-                 queue: asyncio.Queue, num_seqs: int, arrival: float,
+    def __init__(self, runner: RequestRunner, request_id: str, engine_request_id: str,
+                 tracker: RequestTracker, queue: asyncio.Queue, num_seqs: int, arrival: float,
                  deadline: float | None) -> None:
         self._runner = runner
         self.request_id = request_id
+        self.engine_request_id = engine_request_id
         self.tracker = tracker
         self.queue = queue
         self.num_seqs = num_seqs
@@ -270,7 +278,8 @@ class RunningRequest:
                     raise ApiError(grpc.StatusCode.UNAVAILABLE, item.message)
                 responses, abort_completion = tracker.accept(item)
                 if abort_completion:
-                    self._runner.spawn(self._runner.engine.abort([(self.request_id, item.index)]))
+                    self._runner.spawn(self._runner.engine.abort(
+                        [(self.engine_request_id, item.index)]))
                 for response in responses:
                     yield response
         finally:

@@ -7,8 +7,10 @@ waiting queue of 4 sequences, so at most 8 are in flight.
 - 30 bad requests, each answered with its documented status and a message
   naming the field; afterwards the server answers a good request and every
   KV block is free.
-- A duplicate running request id, a full queue (RESOURCE_EXHAUSTED; HTTP 429) and a
-  passed deadline (DEADLINE_EXCEEDED) — the cut requests' blocks come back.
+- A duplicate running request id (the first request completes intact), an id
+  reused right after its request stopped on a stop string, a full queue
+  (RESOURCE_EXHAUSTED; HTTP 429) and a passed deadline (DEADLINE_EXCEEDED) — the
+  cut requests' blocks come back.
 - Health (SERVING for "" and the service, NOT_FOUND for others), server
   reflection listing the services, GetModelInfo / Tokenize against the
   tokenizer, and the Prometheus metrics after traffic.
@@ -173,18 +175,34 @@ def _wait_first_responses(calls: list, count: int, timeout: float = 120.0) -> No
         future.result()
 
 
-def test_duplicate_running_request_id_is_refused(client, stub):
-    call = stub.Generate(build_generate_request("Tell me a story.", messages=None,
-                                                sampling_params=None, params=LONG, stream=True,
-                                                request_id="dup-1"))
-    try:
-        next(call)  # running
-        with pytest.raises(JaxServeError) as err:
-            client.generate("Hi", request_id="dup-1", max_tokens=2)
-        assert err.value.code == INVALID
-        assert err.value.message.startswith("request_id:")
-    finally:
-        call.cancel()
+def test_duplicate_running_request_id_is_refused_and_the_first_completes_intact(client):
+    params = dict(max_tokens=32, ignore_eos=True, temperature=0.0)
+    want = list(client.generate("Tell me a story.", **params).token_ids)
+    deltas = client.stream("Tell me a story.", request_id="dup-1", **params)
+    first = [next(deltas)]  # running
+    with pytest.raises(JaxServeError) as err:
+        client.generate("Hi", request_id="dup-1", max_tokens=2)
+    assert err.value.code == INVALID
+    assert err.value.message.startswith("request_id:") and "dup-1" in err.value.message
+    first += list(deltas)
+    assert [t for d in first for t in d.token_ids] == want
+    assert first[-1].finish_reason == "length" and first[-1].usage.completion_tokens == 32
+    assert wait_all_blocks_free(client)[0] == client.model_info().num_kv_blocks_total
+
+
+def test_request_id_is_reusable_right_after_its_request_stopped_on_a_stop_string(client):
+    """A stop string is found in the api: the old request's abort may not have reached the
+    engine and its last tokens may still be on the wire when the id comes back (found by
+    test_fuzz_server.py: the new request got one of the old one's tokens, or was refused)."""
+    prompt, params = "Once upon a time", dict(ignore_eos=True, temperature=0.0)
+    text = client.generate(prompt, max_tokens=6, **params).text
+    stop = text[len(text) // 2:][:3]  # reached after a few tokens; the request would run on
+    for attempt in range(8):
+        old = client.generate(prompt, request_id="reused", max_tokens=64, stop=[stop], **params)
+        assert old.finish_reason == "stop", (attempt, stop, old.text)
+        new = client.generate("Hi", request_id="reused", max_tokens=2, **params)
+        assert (len(new.token_ids), new.usage.completion_tokens, new.finish_reason) == (
+            2, 2, "length"), attempt
     assert wait_all_blocks_free(client)[0] == client.model_info().num_kv_blocks_total
 
 
