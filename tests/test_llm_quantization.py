@@ -61,6 +61,7 @@ def test_int8_llm_generates_the_int8_models_greedy_tokens(tiny, demo_model_dir, 
                            str(directory), "--output", str(out), "-q", "int8"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
+    assert f"serve it with: jaxserve serve --model {out} --dtype float32 -q int8)" in proc.stderr
     assert _generate(out, demo_model_dir, [{"prompt_token_ids": p} for p in prompts],
                      quantization="int8") == got
     with pytest.raises(ValueError, match="quantization=int8"):  # served without it: refused

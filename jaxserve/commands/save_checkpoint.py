@@ -52,5 +52,19 @@ def run(args: argparse.Namespace) -> int:
     except (FileNotFoundError, FileExistsError, ValueError) as err:
         logger.error("%s", err)
         return 1
-    logger.info("saved the parameter checkpoint to %s (serve it with --model %s)", out, out)
+    logger.info("saved the parameter checkpoint to %s (serve it with: jaxserve serve %s)",
+                out, " ".join(serve_flags(args, out)))
     return 0
+
+
+def serve_flags(args: argparse.Namespace, out: object) -> list[str]:
+    """The ``jaxserve serve`` flags a checkpoint written with ``args`` must be served with
+    (its metadata records each; a server started without them refuses it)."""
+    flags = ["--model", str(out), "--dtype", args.dtype]
+    if args.scan_layers:
+        flags.append("--scan-layers")
+    if args.tensor_parallel_size > 1:
+        flags += ["-tp", str(args.tensor_parallel_size)]
+    if args.quantization:
+        flags += ["-q", args.quantization]
+    return flags
