@@ -45,6 +45,7 @@ import dataclasses
 import json
 import logging
 import pathlib
+import re
 import threading
 from typing import Any
 
@@ -80,6 +81,16 @@ class CompiledGrammar:
         return self.template.deep_copy()
 
 
+# A GBNF rule: a line that starts with ``name ::=``. Lark rules are ``name:``, so
+# ``::=`` inside a Lark string literal or comment does not make a grammar GBNF.
+_GBNF_RULE = re.compile(r"^[ \t]*[A-Za-z_][A-Za-z0-9_-]*[ \t]*::=", re.MULTILINE)
+
+
+def is_gbnf(text: str) -> bool:
+    """True if ``text`` is GBNF (some line starts with a ``name ::=`` rule), else Lark."""
+    return _GBNF_RULE.search(text) is not None
+
+
 def grammar_text(params: StructuredOutputsParams) -> str:
     """The llguidance grammar of ``params`` (not yet checked)."""
     from llguidance import LLMatcher  # the engine's dependency; the api never imports it
@@ -96,7 +107,7 @@ def grammar_text(params: StructuredOutputsParams) -> str:
         return LLMatcher.grammar_from_lark(
             "start: " + " | ".join(json.dumps(c) for c in params.choice))
     text = params.grammar
-    if "::=" in text:  # GBNF (llama.cpp's EBNF): llguidance converts it to Lark
+    if is_gbnf(text):  # GBNF (llama.cpp's EBNF): llguidance converts it to Lark
         from llguidance.gbnf_to_lark import gbnf_to_lark
 
         text = gbnf_to_lark(text)
@@ -161,11 +172,14 @@ class GrammarCompiler:
 
         field = f"{FIELD_PREFIX}.{params.kind}"
         tokenizer = self._llg_tokenizer(field)
+        # llguidance raises plain ``Exception`` (a GBNF rule not found) and its
+        # own types (``GbnfToLarkError``) besides ValueError: every one of them
+        # is the request's grammar at fault, so each becomes a GrammarError.
         try:
             grammar = grammar_text(params)
-        except (ValueError, TypeError) as err:
-            raise GrammarError(field, str(err)[:500]) from None
-        matcher = LLMatcher(tokenizer, grammar, log_level=0)
+            matcher = LLMatcher(tokenizer, grammar, log_level=0)
+        except Exception as err:  # noqa: BLE001 - llguidance's own error types
+            raise GrammarError(field, str(err).strip()[:500] or type(err).__name__) from None
         if matcher.is_error():
             raise GrammarError(field, matcher.get_error().strip()[:500])
         self.num_compiles += 1
