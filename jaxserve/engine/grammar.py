@@ -114,6 +114,37 @@ def grammar_text(params: StructuredOutputsParams) -> str:
     return LLMatcher.grammar_from_lark(text)
 
 
+_PROBE_TOKENS = 16  # first tokens consumed (and rolled back) by first_step_problem
+
+
+def _llg_error(matcher: Any) -> str:
+    """The matcher's error without llguidance's parser-state dump (500 characters at most)."""
+    return matcher.get_error().split("\n<state>")[0].strip()[:500]
+
+
+def first_step_problem(template: Any) -> str | None:
+    """Why a grammar that compiled cannot serve a request, found at compile time; None if none.
+
+    llguidance accepts some grammars it cannot run: a self-referential schema
+    (``{"$ref": "#"}`` alone) stops at once without accepting any output,
+    and a large one (an object with 600 optional properties) overflows the
+    parser's row limit on the first token. On a copy of ``template``: the
+    first mask is computed, then each of its first ``_PROBE_TOKENS`` allowed
+    tokens is consumed and rolled back (a few ms). The step never meets
+    what this catches; a limit hit later in an output still aborts it.
+    """
+    matcher = template.deep_copy()
+    words = np.frombuffer(matcher.compute_bitmask(), dtype="<i4")
+    if matcher.is_error() or (matcher.is_stopped() and not matcher.is_accepting()):
+        return f"the grammar accepts no output ({_llg_error(matcher) or 'it stops at once'})"
+    bits = np.unpackbits(words.view(np.uint8), bitorder="little")
+    for token in np.flatnonzero(bits)[:_PROBE_TOKENS]:
+        if not matcher.consume_token(int(token)) or matcher.is_error():
+            return f"llguidance cannot run this grammar: {_llg_error(matcher)}"
+        matcher.rollback(1)
+    return None
+
+
 class GrammarCompiler:
     """Compiles ``StructuredOutputsParams`` off the step path; see the module docstring.
 
@@ -182,6 +213,9 @@ class GrammarCompiler:
             raise GrammarError(field, str(err).strip()[:500] or type(err).__name__) from None
         if matcher.is_error():
             raise GrammarError(field, matcher.get_error().strip()[:500])
+        problem = first_step_problem(matcher)
+        if problem is not None:
+            raise GrammarError(field, problem)
         self.num_compiles += 1
         return CompiledGrammar(matcher, self.vocab_size)
 
@@ -257,6 +291,10 @@ class SequenceGrammar:
         n = min(len(words), self._words)
         out[:n] = words[:n]
         return out
+
+    def matcher_error(self) -> str:
+        """llguidance's reason the matcher failed ('' if it did not)."""
+        return _llg_error(self.matcher) if self.matcher.is_error() else ""
 
     def accept(self, token_id: int) -> tuple[bool, bool]:
         """Consumes a sampled token: (accepted, stopped).

@@ -49,3 +49,22 @@ def test_a_bad_grammar_is_a_grammar_error_naming_the_field(compiler, grammar):
 def test_gbnf_is_told_from_lark_by_its_rule_lines(compiler, grammar, gbnf):
     assert is_gbnf(grammar) == gbnf
     _check(compiler, grammar=grammar)  # compiles in its own dialect
+
+
+@pytest.mark.parametrize("schema, message", [
+    ({"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(600)}},
+     "max is 2000"),  # llguidance's row limit, hit on the first token
+    ({"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}, "accepts no output"),
+])
+def test_a_schema_that_fails_its_first_step_is_refused_at_compile_time(compiler, schema, message):
+    with pytest.raises(GrammarError) as info:
+        _check(compiler, json=schema)
+    assert info.value.field == "sampling_params.structured_outputs.json"
+    assert message in str(info.value) and "<state>" not in str(info.value)
+
+
+def test_the_first_step_probe_leaves_good_grammars_alone(compiler):
+    _check(compiler, json={"type": "object", "properties": {"a": {"type": "integer"}}})
+    _check(compiler, regex="[a-z]+")   # many first tokens: the probe stops at a few
+    _check(compiler, choice=["yes", "no"])
+    _check(compiler, json_object=True)
