@@ -199,3 +199,32 @@ def test_logprobs_of_masked_tokens_are_finite_json():
     assert [e["logprob"] for e in chat["content"][0]["top_logprobs"]] == [-0.5, -9999.0, -9999.0]
     assert completion["top_logprobs"][0] == {"token_id:7": -0.5, "token_id:8": -9999.0,
                                              "token_id:9": -9999.0}
+
+
+SCHEMA_FORMAT = {"name": "x", "schema": {"type": "object"}}
+
+
+@pytest.mark.parametrize("response_format,param", [
+    ({"type": "json_object", "extra": 1}, "response_format.extra"),
+    ({"type": "json_schema", "json_schema": SCHEMA_FORMAT, "schema": {}}, "response_format.schema"),
+    ({"type": "json_schema", "json_schema": {**SCHEMA_FORMAT, "extra": 1}},
+     "response_format.json_schema.extra"),
+    ({"type": "json_schema", "json_schema": {**SCHEMA_FORMAT, "strict": "yes"}},
+     "response_format.json_schema.strict"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": "{}"}},
+     "response_format.json_schema.schema"),
+    ({"type": "text", "json_schema": SCHEMA_FORMAT}, "response_format.json_schema"),
+    ({"type": "json_object", "json_schema": SCHEMA_FORMAT}, "response_format.json_schema"),
+    ({"type": "json_schema"}, "response_format.json_schema"),
+    ({"type": "xml"}, "response_format.type"),
+    ({}, "response_format.type"),
+])
+@pytest.mark.parametrize("endpoint,body", [
+    ("completions", {"prompt": [1, 2]}),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+])
+def test_a_malformed_response_format_is_a_400_naming_the_field(served, endpoint, body,
+                                                               response_format, param):
+    error = _error(served.post(f"/v1/{endpoint}", json={**body,
+                                                        "response_format": response_format}), 400)
+    assert error["param"] == param, error

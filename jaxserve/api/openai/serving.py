@@ -119,22 +119,20 @@ class OpenAIServing:
         """(structured outputs, the field they came from) of ``response_format`` (OpenAI's:
         ``text``, ``json_object``, ``json_schema``) or ``structured_outputs`` (vLLM's); None."""
         fmt = body.response_format
-        if fmt is not None and fmt.get("type") != "text":
+        if fmt is not None and fmt.json_schema is not None and fmt.type != "json_schema":
+            raise bad_request(self.runner, "response_format.json_schema",
+                              f"only allowed with type json_schema, got type {fmt.type!r}")
+        if fmt is not None and fmt.type != "text":
             if body.structured_outputs is not None:
                 raise bad_request(self.runner, "structured_outputs",
                                   "set structured_outputs or response_format, not both")
-            kind = fmt.get("type")
-            if kind == "json_object":
+            if fmt.type == "json_object":
                 return {"json_object": True}, "response_format"
-            if kind != "json_schema":
-                raise bad_request(self.runner, "response_format.type",
-                                  f"must be text, json_object or json_schema, got {kind!r}")
-            spec = fmt.get("json_schema")
-            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), (dict, bool)):
+            if fmt.json_schema is None:
                 raise bad_request(self.runner, "response_format.json_schema",
                                   "needs a schema (an object): {\"name\": ..., \"schema\": "
                                   "{...}}")
-            schema = spec["schema"]
+            schema = fmt.json_schema.json_schema
             return {"json": schema if isinstance(schema, dict) else {}}, "response_format"
         if body.structured_outputs is not None:
             return dict(body.structured_outputs), "structured_outputs"
