@@ -34,7 +34,7 @@ from jaxserve.api.incremental_output import IncrementalOutput
 from jaxserve.engine import (CacheConfig, EngineConfig, EngineCore, EngineCoreOutput,
                              EngineCoreRequest, EngineStats, SchedulerConfig)
 from jaxserve.engine.config import CompileConfig
-from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
+from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput, finite_logprob
 from jaxserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -356,9 +356,10 @@ class _Pending:
 
     def _logprob_dict(self, token_id: int, lp) -> dict[int, Logprob]:
         decode = lambda t: self.tokenizer.decode([t])  # noqa: E731
-        entries = {int(t): Logprob(float(v), i + 1, decode(t))
+        entries = {int(t): Logprob(finite_logprob(v), i + 1, decode(t))
                    for i, (t, v) in enumerate(zip(lp.top_token_ids, lp.top_logprobs))}
-        entries[int(token_id)] = Logprob(float(lp.logprob), int(lp.rank), decode(token_id))
+        entries[int(token_id)] = Logprob(finite_logprob(lp.logprob), int(lp.rank),
+                                         decode(token_id))
         return entries
 
     def result(self) -> RequestOutput:

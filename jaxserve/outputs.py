@@ -3,6 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+
+# The logprob reported for a token the step could not draw (masked by structured
+# outputs: -inf on the device). JSON has no -inf, so the API and ``LLM`` report
+# this floor instead, as vLLM's OpenAI serving layer does (its -9999.0).
+LOGPROB_FLOOR = -9999.0
+
+
+def finite_logprob(logprob: float) -> float:
+    """``logprob`` as a float, with -inf / NaN (a token that cannot be drawn) as ``LOGPROB_FLOOR``."""
+    value = float(logprob)
+    return value if math.isfinite(value) else LOGPROB_FLOOR
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -146,8 +146,9 @@ class StructuredOutputsParams:
         if isinstance(value, cls):
             return value
         if not isinstance(value, Mapping):
-            raise ValueError(f"structured_outputs must be an object with one of "
-                             f"{', '.join(FIELDS)}, got {value!r:.80}")
+            raise ValueError(f"structured_outputs must be a dict (or a StructuredOutputsParams) "
+                             f"with one of {', '.join(FIELDS)}, got {type(value).__name__} "
+                             f"{value!r:.80}")
         unknown = sorted(set(value) - set(FIELDS))
         if unknown:
             raise ValueError(f"structured_outputs.{unknown[0]}: unknown field (known: "

@@ -188,3 +188,20 @@ def test_structured_outputs_through_sampling_params(baseline):
     for completion in chat.outputs:
         assert completion.finish_reason == "stop"
         assert json.loads(completion.text)["answer"] in ("Paris", "Lyon")
+
+
+def test_masked_logprobs_are_floored_in_llm_outputs():
+    """A token structured outputs masked (-inf) gets LOGPROB_FLOOR in ``Logprob``, as on the API."""
+    import math
+    import types
+
+    from jaxserve.llm import _Pending
+    from jaxserve.outputs import LOGPROB_FLOOR
+
+    pending = _Pending.__new__(_Pending)
+    pending.tokenizer = types.SimpleNamespace(decode=lambda ids: f"<{ids[0]}>")
+    lp = types.SimpleNamespace(logprob=-math.inf, rank=3, top_token_ids=(4, 5),
+                               top_logprobs=(-0.1, -math.inf))
+    entries = pending._logprob_dict(6, lp)
+    assert {t: e.logprob for t, e in entries.items()} == {4: -0.1, 5: LOGPROB_FLOOR,
+                                                          6: LOGPROB_FLOOR}

@@ -45,6 +45,7 @@ import dataclasses
 import json
 import logging
 import pathlib
+import re
 import threading
 from typing import Any
 
@@ -80,6 +81,16 @@ class CompiledGrammar:
         return self.template.deep_copy()
 
 
+# A GBNF rule: a line that starts with ``name ::=``. Lark rules are ``name:``, so
+# ``::=`` inside a Lark string literal or comment does not make a grammar GBNF.
+_GBNF_RULE = re.compile(r"^[ \t]*[A-Za-z_][A-Za-z0-9_-]*[ \t]*::=", re.MULTILINE)
+
+
+def is_gbnf(text: str) -> bool:
+    """True if ``text`` is GBNF (some line starts with a ``name ::=`` rule), else Lark."""
+    return _GBNF_RULE.search(text) is not None
+
+
 def grammar_text(params: StructuredOutputsParams) -> str:
     """The llguidance grammar of ``params`` (not yet checked)."""
     from llguidance import LLMatcher  # the engine's dependency; the api never imports it
@@ -96,11 +107,42 @@ def grammar_text(params: StructuredOutputsParams) -> str:
         return LLMatcher.grammar_from_lark(
             "start: " + " | ".join(json.dumps(c) for c in params.choice))
     text = params.grammar
-    if "::=" in text:  # GBNF (llama.cpp's EBNF): llguidance converts it to Lark
+    if is_gbnf(text):  # GBNF (llama.cpp's EBNF): llguidance converts it to Lark
         from llguidance.gbnf_to_lark import gbnf_to_lark
 
         text = gbnf_to_lark(text)
     return LLMatcher.grammar_from_lark(text)
+
+
+_PROBE_TOKENS = 16  # first tokens consumed (and rolled back) by first_step_problem
+
+
+def _llg_error(matcher: Any) -> str:
+    """The matcher's error without llguidance's parser-state dump (500 characters at most)."""
+    return matcher.get_error().split("\n<state>")[0].strip()[:500]
+
+
+def first_step_problem(template: Any) -> str | None:
+    """Why a grammar that compiled cannot serve a request, found at compile time; None if none.
+
+    llguidance accepts some grammars it cannot run: a self-referential schema
+    (``{"$ref": "#"}`` alone) stops at once without accepting any output,
+    and a large one (an object with 600 optional properties) overflows the
+    parser's row limit on the first token. On a copy of ``template``: the
+    first mask is computed, then each of its first ``_PROBE_TOKENS`` allowed
+    tokens is consumed and rolled back (a few ms). The step never meets
+    what this catches; a limit hit later in an output still aborts it.
+    """
+    matcher = template.deep_copy()
+    words = np.frombuffer(matcher.compute_bitmask(), dtype="<i4")
+    if matcher.is_error() or (matcher.is_stopped() and not matcher.is_accepting()):
+        return f"the grammar accepts no output ({_llg_error(matcher) or 'it stops at once'})"
+    bits = np.unpackbits(words.view(np.uint8), bitorder="little")
+    for token in np.flatnonzero(bits)[:_PROBE_TOKENS]:
+        if not matcher.consume_token(int(token)) or matcher.is_error():
+            return f"llguidance cannot run this grammar: {_llg_error(matcher)}"
+        matcher.rollback(1)
+    return None
 
 
 class GrammarCompiler:
@@ -161,13 +203,19 @@ class GrammarCompiler:
 
         field = f"{FIELD_PREFIX}.{params.kind}"
         tokenizer = self._llg_tokenizer(field)
+        # llguidance raises plain ``Exception`` (a GBNF rule not found) and its
+        # own types (``GbnfToLarkError``) besides ValueError: every one of them
+        # is the request's grammar at fault, so each becomes a GrammarError.
         try:
             grammar = grammar_text(params)
-        except (ValueError, TypeError) as err:
-            raise GrammarError(field, str(err)[:500]) from None
-        matcher = LLMatcher(tokenizer, grammar, log_level=0)
+            matcher = LLMatcher(tokenizer, grammar, log_level=0)
+        except Exception as err:  # noqa: BLE001 - llguidance's own error types
+            raise GrammarError(field, str(err).strip()[:500] or type(err).__name__) from None
         if matcher.is_error():
             raise GrammarError(field, matcher.get_error().strip()[:500])
+        problem = first_step_problem(matcher)
+        if problem is not None:
+            raise GrammarError(field, problem)
         self.num_compiles += 1
         return CompiledGrammar(matcher, self.vocab_size)
 
@@ -243,6 +291,10 @@ class SequenceGrammar:
         n = min(len(words), self._words)
         out[:n] = words[:n]
         return out
+
+    def matcher_error(self) -> str:
+        """llguidance's reason the matcher failed ('' if it did not)."""
+        return _llg_error(self.matcher) if self.matcher.is_error() else ""
 
     def accept(self, token_id: int) -> tuple[bool, bool]:
         """Consumes a sampled token: (accepted, stopped).

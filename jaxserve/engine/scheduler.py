@@ -331,8 +331,8 @@ class Scheduler:
         """
         accepted, _ = req.grammar.accept(token)
         if not accepted:  # only if the step ignored the sequence's bitmask
-            logger.warning("request %s#%d: token %d breaks its grammar; the sequence aborts",
-                           req.request_id, req.index, token)
+            logger.warning("request %s#%d: token %d breaks its grammar; the sequence aborts: %s",
+                           req.request_id, req.index, token, req.grammar.matcher_error())
             return RequestStatus.FINISHED_ABORTED
         return None
 

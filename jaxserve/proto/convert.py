@@ -21,7 +21,7 @@ from typing import Any
 
 from jaxserve.proto import generate_pb2 as pb
 from jaxserve.sampling_params import MAX_SEED, MIN_SEED, SamplingParams
-from jaxserve.structured_outputs import StructuredOutputsParams
+from jaxserve.structured_outputs import FIELDS, StructuredOutputsParams
 
 SAMPLING_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(SamplingParams))
 _REPEATED = ("stop", "stop_token_ids")
@@ -47,6 +47,8 @@ def sampling_params_to_proto(
       ValueError: an unknown key, or a value the wire type cannot hold (wrong
         type, out of the int32 range, a seed beyond 64 bits); the message
         starts with the field name.
+      TypeError: ``structured_outputs`` is neither a dict nor a
+        ``StructuredOutputsParams``.
     """
     if params is None:
         return pb.SamplingParams()
@@ -56,6 +58,9 @@ def sampling_params_to_proto(
         if name not in SAMPLING_FIELDS:
             raise ValueError(f"{name}: unknown sampling parameter")
         if value is None:
+            continue
+        if name == "structured_outputs":  # its errors name their own field
+            _set_structured_outputs(message.structured_outputs, value)
             continue
         try:
             _set_field(message, name, value)
@@ -72,8 +77,6 @@ def _set_field(message: pb.SamplingParams, name: str, value: Any) -> None:
     elif name == "logit_bias":
         for token, bias in dict(value).items():
             message.logit_bias[int(token)] = bias
-    elif name == "structured_outputs":
-        _set_structured_outputs(message.structured_outputs, value)
     elif name == "seed":
         if not MIN_SEED <= int(value) <= MAX_SEED:
             raise ValueError("a seed is a 64-bit integer, in [-2**63, 2**64 - 1]")
@@ -83,8 +86,22 @@ def _set_field(message: pb.SamplingParams, name: str, value: Any) -> None:
 
 
 def _set_structured_outputs(message: pb.StructuredOutputs, value: Any) -> None:
-    """Fills a ``StructuredOutputs`` message from the params or a dict of its fields."""
-    values = value.to_dict() if isinstance(value, StructuredOutputsParams) else dict(value)
+    """Fills a ``StructuredOutputs`` message from the params or a dict of its fields.
+
+    Values are checked by the server (``StructuredOutputsParams``, the one
+    validation of every transport), only the shape here.
+
+    Raises:
+      TypeError: ``value`` is neither a ``StructuredOutputsParams`` nor a dict.
+      ValueError: an unknown key (``structured_outputs.<key>``).
+    """
+    if isinstance(value, StructuredOutputsParams):
+        values = value.to_dict()
+    elif isinstance(value, Mapping):
+        values = dict(value)
+    else:
+        raise TypeError(f"structured_outputs must be a dict (or a StructuredOutputsParams) with "
+                        f"one of {', '.join(FIELDS)}, got {type(value).__name__} {value!r:.80}")
     message.SetInParent()
     for key, item in values.items():
         if item is None:
@@ -103,7 +120,10 @@ def _structured_outputs_kwargs(message: pb.StructuredOutputs) -> dict[str, Any]:
     out: dict[str, Any] = {name: getattr(message, name)
                            for name in ("json", "json_object", "regex", "grammar")
                            if message.HasField(name)}
-    if message.choice:
+    if message.choice or not out:
+        # proto3 cannot tell an empty repeated field from an absent one: a
+        # message with nothing set is read as the empty choice list it most
+        # likely was, so the error names structured_outputs.choice.
         out["choice"] = list(message.choice)
     return out
 

@@ -180,3 +180,51 @@ def test_a_model_by_id(served):
 def test_out_of_range_values_are_400s_naming_the_parameter(served, endpoint, body, param):
     error = _error(served.post(f"/v1/{endpoint}", json=body), 400)
     assert error["param"] == param and error["message"].startswith(param + ": ")
+
+
+def test_logprobs_of_masked_tokens_are_finite_json():
+    """Structured outputs mask tokens to -inf; the API reports them as -9999.0 (vLLM's floor)."""
+    import json
+    import math
+
+    from jaxserve.api.openai.serving import OpenAIServing
+    from jaxserve.proto import generate_pb2 as pb
+
+    serving = OpenAIServing(types.SimpleNamespace(preparer=types.SimpleNamespace(tokenizer=None)))
+    response = pb.GenerateResponse(token_ids=[7], logprobs=[pb.TokenLogprobs(
+        logprob=-0.5, top_token_ids=[7, 8, 9], top_logprobs=[-0.5, -math.inf, math.nan])])
+    chat = serving.chat_logprobs(response, as_ids=True)
+    completion = serving.completion_logprobs(response, 0, as_ids=True)
+    json.dumps([chat, completion], allow_nan=False)  # raises on -inf / NaN
+    assert [e["logprob"] for e in chat["content"][0]["top_logprobs"]] == [-0.5, -9999.0, -9999.0]
+    assert completion["top_logprobs"][0] == {"token_id:7": -0.5, "token_id:8": -9999.0,
+                                             "token_id:9": -9999.0}
+
+
+SCHEMA_FORMAT = {"name": "x", "schema": {"type": "object"}}
+
+
+@pytest.mark.parametrize("response_format,param", [
+    ({"type": "json_object", "extra": 1}, "response_format.extra"),
+    ({"type": "json_schema", "json_schema": SCHEMA_FORMAT, "schema": {}}, "response_format.schema"),
+    ({"type": "json_schema", "json_schema": {**SCHEMA_FORMAT, "extra": 1}},
+     "response_format.json_schema.extra"),
+    ({"type": "json_schema", "json_schema": {**SCHEMA_FORMAT, "strict": "yes"}},
+     "response_format.json_schema.strict"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": "{}"}},
+     "response_format.json_schema.schema"),
+    ({"type": "text", "json_schema": SCHEMA_FORMAT}, "response_format.json_schema"),
+    ({"type": "json_object", "json_schema": SCHEMA_FORMAT}, "response_format.json_schema"),
+    ({"type": "json_schema"}, "response_format.json_schema"),
+    ({"type": "xml"}, "response_format.type"),
+    ({}, "response_format.type"),
+])
+@pytest.mark.parametrize("endpoint,body", [
+    ("completions", {"prompt": [1, 2]}),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+])
+def test_a_malformed_response_format_is_a_400_naming_the_field(served, endpoint, body,
+                                                               response_format, param):
+    error = _error(served.post(f"/v1/{endpoint}", json={**body,
+                                                        "response_format": response_format}), 400)
+    assert error["param"] == param, error

@@ -66,6 +66,8 @@ BAD_SAMPLING = [
     ("structured_outputs", {"structured_outputs": {"regex": "a"}, "ignore_eos": True}),
     ("structured_outputs.json", {"structured_outputs": {"json": "{nope"}}),
     ("structured_outputs.choice", {"structured_outputs": {"choice": ["", "b"]}}),
+    # proto3 drops an empty repeated field: the server still names choice
+    ("structured_outputs.choice", {"structured_outputs": {"choice": []}}),
 ]
 # Fields with no invalid wire value: bools, and seed (any uint64 is a seed).
 ALWAYS_VALID = {"ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
@@ -245,3 +247,18 @@ def test_bad_grpc_requests_are_invalid_argument(generate_request, field):
     with pytest.raises(ApiError) as info:
         runner.prepare(generate_request)
     assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and info.value.field == field
+
+
+def test_an_empty_choice_list_gets_the_same_message_on_every_transport():
+    with pytest.raises(InvalidArgument) as wire:
+        _from_wire(sampling_params_to_proto({"structured_outputs": {"choice": []}}))
+    with pytest.raises(ValueError) as local:
+        SamplingParams(structured_outputs={"choice": []})
+    assert wire.value.reason.endswith("must hold at least one string")
+    assert str(local.value).endswith(wire.value.reason)
+
+
+@pytest.mark.parametrize("value", ["regex", ["choice", "a"], 3])
+def test_structured_outputs_that_is_not_a_dict_is_a_type_error_naming_it(value):
+    with pytest.raises(TypeError, match=r"^structured_outputs must be a dict .* got "):
+        sampling_params_to_proto({"structured_outputs": value})

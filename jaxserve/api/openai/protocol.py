@@ -22,7 +22,7 @@ this server cannot honour when set to anything but their no-op value
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -68,6 +68,27 @@ class StreamOptions(_Body):
     continuous_usage_stats: bool = False
 
 
+class JsonSchemaFormat(_Body):
+    """``response_format.json_schema``: OpenAI's ``{"name", "description", "schema",
+    "strict"}``. ``name`` is optional (vLLM is lenient too); ``strict`` is a
+    bool, and the schema is enforced either way."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | bool = Field(alias="schema")  # "schema" shadows BaseModel's
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    """OpenAI's ``response_format``: ``json_schema`` goes with ``type: "json_schema"``
+    only (checked with the request, naming ``response_format.json_schema``)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class SamplingFields(_Body):
     """The fields both endpoints share (sampling, streaming, vLLM extensions)."""
 
@@ -98,7 +119,7 @@ class SamplingFields(_Body):
     request_id: str | None = None
     return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:<id>"
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs
-    response_format: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None
 
 
@@ -198,5 +219,5 @@ def _models(base: type[BaseModel]) -> Iterator[type[BaseModel]]:
 
 # Every field name of every request model, at any depth: a pydantic error location
 # part that is not one of these is a union member tag ("list[int]") or a dict key.
-FIELD_NAMES: frozenset[str] = frozenset(name for model in _models(_Body)
-                                        for name in model.model_fields)
+FIELD_NAMES: frozenset[str] = frozenset(field.alias or name for model in _models(_Body)
+                                        for name, field in model.model_fields.items())

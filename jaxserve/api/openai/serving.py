@@ -36,6 +36,7 @@ from jaxserve.api.openai.protocol import (UNSUPPORTED_FIELDS, ChatCompletionRequ
                                           CompletionRequest, SamplingFields)
 from jaxserve.api.prompts import PreparedRequest
 from jaxserve.api.runner import ApiError, RequestRunner, RunningRequest
+from jaxserve.outputs import finite_logprob
 from jaxserve.proto import generate_pb2 as pb
 from jaxserve.proto.convert import finish_reason_from_proto
 
@@ -118,22 +119,20 @@ class OpenAIServing:
         """(structured outputs, the field they came from) of ``response_format`` (OpenAI's:
         ``text``, ``json_object``, ``json_schema``) or ``structured_outputs`` (vLLM's); None."""
         fmt = body.response_format
-        if fmt is not None and fmt.get("type") != "text":
+        if fmt is not None and fmt.json_schema is not None and fmt.type != "json_schema":
+            raise bad_request(self.runner, "response_format.json_schema",
+                              f"only allowed with type json_schema, got type {fmt.type!r}")
+        if fmt is not None and fmt.type != "text":
             if body.structured_outputs is not None:
                 raise bad_request(self.runner, "structured_outputs",
                                   "set structured_outputs or response_format, not both")
-            kind = fmt.get("type")
-            if kind == "json_object":
+            if fmt.type == "json_object":
                 return {"json_object": True}, "response_format"
-            if kind != "json_schema":
-                raise bad_request(self.runner, "response_format.type",
-                                  f"must be text, json_object or json_schema, got {kind!r}")
-            spec = fmt.get("json_schema")
-            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), (dict, bool)):
+            if fmt.json_schema is None:
                 raise bad_request(self.runner, "response_format.json_schema",
                                   "needs a schema (an object): {\"name\": ..., \"schema\": "
                                   "{...}}")
-            schema = spec["schema"]
+            schema = fmt.json_schema.json_schema
             return {"json": schema if isinstance(schema, dict) else {}}, "response_format"
         if body.structured_outputs is not None:
             return dict(body.structured_outputs), "structured_outputs"
@@ -290,15 +289,19 @@ class OpenAIServing:
 
     def completion_logprobs(self, response: pb.GenerateResponse, offset: int,
                             as_ids: bool) -> dict[str, Any]:
-        """The Completions ``logprobs`` of one response's tokens (text offsets from ``offset``)."""
+        """The Completions ``logprobs`` of one response's tokens (text offsets from ``offset``).
+
+        Here and in ``chat_logprobs`` every logprob goes through ``finite_logprob``:
+        a token masked by structured outputs (-inf) is reported as -9999.0.
+        """
         tokens = [self.token_text(t, as_ids) for t in response.token_ids]
         text_offset = []
         for token in tokens:
             text_offset.append(offset)
             offset += len(token)
         return {"tokens": tokens,
-                "token_logprobs": [lp.logprob for lp in response.logprobs],
-                "top_logprobs": [{self.token_text(t, as_ids): v for t, v in
+                "token_logprobs": [finite_logprob(lp.logprob) for lp in response.logprobs],
+                "top_logprobs": [{self.token_text(t, as_ids): finite_logprob(v) for t, v in
                                   zip(lp.top_token_ids, lp.top_logprobs)}
                                  for lp in response.logprobs],
                 "text_offset": text_offset}
@@ -307,7 +310,8 @@ class OpenAIServing:
         """The Chat Completions ``logprobs`` object of one response's tokens."""
         def entry(token_id: int, logprob: float) -> dict[str, Any]:
             text = self.token_text(token_id, as_ids)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+            return {"token": text, "logprob": finite_logprob(logprob),
+                    "bytes": list(text.encode())}
 
         content = []
         for token_id, lp in zip(response.token_ids, response.logprobs):
