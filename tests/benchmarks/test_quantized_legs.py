@@ -68,3 +68,26 @@ def test_llama_cpps_quantizer_makes_a_q8_0_twin_beside_the_f32_one(demo_gguf_pat
     # Q8_0: 34 bytes per 32 weights; the whole file a little over a quarter of F32's bytes
     assert 0.25 < llama_cpp_leg.gguf_decode_bytes(q8) / llama_cpp_leg.gguf_decode_bytes(f32) < 0.3
     assert llama_cpp_leg.q8_0_gguf(f32) == (q8, "")  # cached: used as it is
+
+
+def test_cpu_side_by_side_quantized_runs_int8_against_its_own_floor(tiny_model_dir, tmp_path):
+    """``--quantized`` on a tiny model: the int8 leg runs batch 1; llama.cpp Q8_0 says why not."""
+    from tests.benchmarks.test_smoke import ENGINE, run_bench
+
+    out = run_bench("cpu_side_by_side", tmp_path, "--model", str(tiny_model_dir), "--quantized",
+                    "--batch-sizes", "1", "--prompt-lens", "7", "--output-lens", "6",
+                    "--mix-requests", "0", "--prefill-len", "0", "--bandwidth-mib", "64",
+                    "--bandwidth-reps", "3", "--skip-hf", *ENGINE)
+    legs, roof, row = out["legs"], out["roofline"], out["table"]["batch1"]
+    assert set(legs["jaxserve_int8"]["workloads"]) == {"batch1"}
+    assert legs["jaxserve_int8"]["engine_options"]["quantization"] == "int8"
+    assert "error" in legs["llama_cpp_q8_0"] and row["llama_cpp_q8_0"] is None
+    int8 = decode_roofline.weight_bytes(tiny_model_dir, quantization="int8")["decode_bytes"]
+    floors = roof["floors"]
+    assert floors["jaxserve_int8"]["decode_bytes"] == int8
+    assert floors["jaxserve"]["decode_bytes"] == roof["weights"]["decode_bytes"]
+    assert floors["jaxserve_int8"]["floor_tokens_per_s"] == pytest.approx(
+        roof["bandwidth"]["best_gb_s"] * 1e9 / int8)
+    assert roof["ratio"]["jaxserve_int8"] == pytest.approx(
+        row["jaxserve_int8"] / floors["jaxserve_int8"]["floor_tokens_per_s"])
+    assert roof["ratio"]["jaxserve"] == pytest.approx(row["jaxserve"] / roof["floor_tokens_per_s"])
