@@ -360,8 +360,8 @@ def report(result: dict[str, Any]) -> str:
             f"{roof['floor_tokens_per_s']:.1f} tok/s; measured / floor: "
             + ", ".join(f"{ENGINE_LABELS[e]} {_cell(r, '.2f')}" for e, r in roof["ratio"].items()))
         for e, f in roof.get("floors", {}).items():
-            lines.append(f"  {ENGINE_LABELS[e]}: {_cell(f['decode_bytes'] and f['decode_bytes'] / 1e6, '.1f')} "
-                         f"MB a token -> floor {_cell(f['floor_tokens_per_s'], '.1f')} tok/s, "
+            mb = f["decode_bytes"] / 1e6 if f["decode_bytes"] else None
+            lines.append(f"  {ENGINE_LABELS[e]}: {_cell(mb, '.1f')} MB a token -> floor {_cell(f['floor_tokens_per_s'], '.1f')} tok/s, "
                          f"measured / floor {_cell(roof['ratio'][e], '.2f')}")
     cache = result["legs"]["jaxserve"].get("load_cache", {})
     warm = ("warm compilation cache" if cache.get("cache_misses") == 0 else
