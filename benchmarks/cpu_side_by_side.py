@@ -32,6 +32,14 @@ the best of both). Floor = bandwidth / weight bytes (tokens/s); each leg's
 ratio = its batch-1 output tokens/s / floor (1.0 = at the roofline; the
 batch-1 run includes its 31-token prefill).
 
+``--quantized`` adds two batch-1 legs: jaxserve with ``quantization="int8"``
+(``jaxserve_int8``) and llama.cpp on a Q8_0 GGUF made from the F32 one by
+llama.cpp's own quantizer (``llama_cpp_q8_0``, ``llama_cpp_leg.q8_0_gguf``).
+Each has its own floor: bandwidth / the bytes of its quantized weights a
+token reads (``decode_roofline.weight_bytes(quantization="int8")``: int8
+kernels plus float32 scales; ``llama_cpp_leg.gguf_decode_bytes``: the GGUF's
+Q8_0 blocks as stored), reported in ``roofline["floors"]``.
+
 Printed: a table, rows = workloads, columns = each engine's tokens/s and
 jaxserve's ratio to vLLM and to transformers (> 1: jaxserve is faster), the
 roofline, the engines' start-up seconds (jaxserve's ``LLM`` construction,
@@ -56,8 +64,10 @@ logger = logging.getLogger(__name__)
 NAME = "cpu_side_by_side"
 DTYPE = "float32"
 ENGINES = ("jaxserve", "transformers", "vllm", "llama_cpp")
+QUANTIZED_ENGINES = ("jaxserve_int8", "llama_cpp_q8_0")  # --quantized, batch 1 only
 ENGINE_LABELS = {"jaxserve": "jaxserve", "transformers": "transformers", "vllm": "vLLM",
-                 "llama_cpp": "llama.cpp"}
+                 "llama_cpp": "llama.cpp", "jaxserve_int8": "jaxserve int8",
+                 "llama_cpp_q8_0": "llama.cpp Q8_0"}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -107,6 +117,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gguf", default=None,
                         help="F32 GGUF for the llama.cpp leg (default: an F32 *.gguf in the "
                              "demo model's cache, demo model only)")
+    parser.add_argument("--quantized", action="store_true",
+                        help="also run batch 1 with jaxserve int8 and llama.cpp Q8_0, each "
+                             "with its own bandwidth floor")
     parser.add_argument("--bandwidth-mib", type=int, default=512,
                         help="size of the array the bandwidth probe streams (default 512 MiB)")
     parser.add_argument("--bandwidth-reps", type=int, default=10)
@@ -210,26 +223,64 @@ def run_legs(args: argparse.Namespace, cases: list[Case], model_dir: str
         gguf, why = None, "--model is not the demo model: give its F32 GGUF with --gguf"
     else:
         gguf, why = llama_cpp_leg.available(args.gguf)
-    if gguf is None:
-        legs["llama_cpp"] = {"error": why}
-    else:
-        try:
-            result = llama_cpp_leg.run(batch1.workload, gguf=gguf)
-            legs["llama_cpp"] = {"load_seconds": result.pop("load_seconds"),
-                                 "workloads": {"batch1": result}}
-        except Exception as err:  # a failed leg is reported, the others still count
-            logger.exception("llama.cpp leg failed")
-            legs["llama_cpp"] = {"error": f"{type(err).__name__}: {err}"}
+    legs["llama_cpp"] = _llama_cpp(batch1, gguf, why)
+    if getattr(args, "quantized", False):
+        legs.update(_quantized_legs(args, batch1, model_dir, gguf, why))
     return legs, {"before": before, "after": after}
+
+
+def _llama_cpp(batch1: Case | None, gguf, why: str) -> dict[str, Any]:
+    """One llama.cpp leg on ``gguf`` (batch 1), or ``{"error": why}``."""
+    if gguf is None:
+        return {"error": why}
+    try:
+        result = llama_cpp_leg.run(batch1.workload, gguf=gguf)
+        return {"load_seconds": result.pop("load_seconds"), "workloads": {"batch1": result}}
+    except Exception as err:  # a failed leg is reported, the others still count
+        logger.exception("llama.cpp leg failed")
+        return {"error": f"{type(err).__name__}: {err}"}
+
+
+def _quantized_legs(args: argparse.Namespace, batch1: Case | None, model_dir: str, f32_gguf,
+                    why: str) -> dict[str, Any]:
+    """The ``--quantized`` legs: jaxserve int8 and llama.cpp Q8_0, batch 1 each."""
+    from benchmarks import jaxserve_leg
+
+    if batch1 is None:
+        return {e: {"error": "no batch1 workload (it runs batch 1 only)"}
+                for e in QUANTIZED_ENGINES}
+    options = jaxserve_leg.EngineOptions(max_num_seqs=args.max_num_seqs,
+                                         max_num_batched_tokens=args.max_num_batched_tokens,
+                                         dtype=DTYPE, attention_backend=args.attention_backend,
+                                         quantization="int8")
+    legs: dict[str, Any] = {"jaxserve_int8": jaxserve_leg.run_workloads(
+        {"batch1": batch1.workload}, model=model_dir, tokenizer=args.tokenizer,
+        options=options, seed=args.seed)}
+    legs["jaxserve_int8"]["engine_options"] = options.as_dict()
+    q8, q8_why = (None, why) if f32_gguf is None else llama_cpp_leg.q8_0_gguf(f32_gguf)
+    legs["llama_cpp_q8_0"] = _llama_cpp(batch1, q8, q8_why)
+    if q8 is not None:
+        legs["llama_cpp_q8_0"]["decode_bytes"] = llama_cpp_leg.gguf_decode_bytes(q8)
+    return legs
+
+
+def engines(legs: dict[str, Any]) -> tuple[str, ...]:
+    """The engines of a run: ``ENGINES``, then the ``--quantized`` ones when they ran."""
+    return ENGINES + tuple(e for e in QUANTIZED_ENGINES if e in legs)
 
 
 def summarize(cases: list[Case], legs: dict[str, Any], bandwidth: dict[str, Any],
               model_dir: str) -> dict[str, Any]:
-    """The table (tokens/s and ratios per case), the roofline and the start-up seconds."""
+    """The table (tokens/s and ratios per case), the roofline and the start-up seconds.
+
+    With the ``--quantized`` legs, ``roofline["floors"]`` holds each engine's
+    ``{"decode_bytes", "floor_tokens_per_s"}`` and its ratio is against its own floor.
+    """
     table: dict[str, Any] = {}
+    names = engines(legs)
     for case in cases:
         row: dict[str, Any] = {"label": case.label, "rate": f"{case.rate} tokens/s"}
-        for engine in ENGINES:
+        for engine in names:
             leg = legs.get(engine, {})
             result = leg.get("workloads", {}).get(case.name)
             row[engine] = None if result is None else tokens_per_s(case, result)
@@ -244,11 +295,20 @@ def summarize(cases: list[Case], legs: dict[str, Any], bandwidth: dict[str, Any]
         weights = decode_roofline.weight_bytes(model_dir, itemsize=4)  # float32
         best = max(bandwidth["before"]["best_gb_s"], bandwidth["after"]["best_gb_s"])
         floor = best * 1e9 / weights["decode_bytes"]
+        floors = {e: floor for e in ENGINES}
         roofline = {"weights": weights, "bandwidth": {**bandwidth, "best_gb_s": best},
-                    "floor_tokens_per_s": floor,
-                    "ratio": {e: (table["batch1"][e] / floor if table["batch1"][e] else None)
-                              for e in ENGINES}}
-    startup = {e: legs[e]["load_seconds"] for e in ENGINES
+                    "floor_tokens_per_s": floor}
+        if len(names) > len(ENGINES):
+            per_engine = {e: weights["decode_bytes"] for e in ENGINES}
+            per_engine["jaxserve_int8"] = decode_roofline.weight_bytes(
+                model_dir, itemsize=4, quantization="int8")["decode_bytes"]
+            per_engine["llama_cpp_q8_0"] = legs["llama_cpp_q8_0"].get("decode_bytes")
+            floors = {e: best * 1e9 / n if n else None for e, n in per_engine.items()}
+            roofline["floors"] = {e: {"decode_bytes": per_engine[e],
+                                      "floor_tokens_per_s": floors[e]} for e in names}
+        roofline["ratio"] = {e: (table["batch1"][e] / floors[e]
+                                 if table["batch1"][e] and floors[e] else None) for e in names}
+    startup = {e: legs[e]["load_seconds"] for e in names
                if e in legs and "load_seconds" in legs[e]}
     return {"table": table, "roofline": roofline, "startup_seconds": startup}
 
@@ -277,7 +337,9 @@ def _cell(value: float | None, fmt: str) -> str:
 
 def report(result: dict[str, Any]) -> str:
     """The table printed at the end (module docstring)."""
-    header = (f"{'workload':34s}" + "".join(f"{ENGINE_LABELS[e]:>13s}" for e in ENGINES)
+    names = engines(result["legs"])
+    w = 16 if len(names) > len(ENGINES) else 13  # the default run's table as it was
+    header = (f"{'workload':34s}" + "".join(f"{ENGINE_LABELS[e]:>{w}s}" for e in names)
               + f"{'jax/vLLM':>10s}{'jax/HF':>8s}")
     lines = [f"CPU side by side, {result['dtype']}, greedy; tokens/s "
              "(prefill: prompt tokens/s, else output tokens/s)",
@@ -285,7 +347,7 @@ def report(result: dict[str, Any]) -> str:
              f"after {result['load_average_after']}", header]
     for name, row in result["table"].items():
         lines.append(f"{name + ' ' + row['label']:34s}"
-                     + "".join(f"{_cell(row[e], '.1f'):>13s}" for e in ENGINES)
+                     + "".join(f"{_cell(row[e], '.1f'):>{w}s}" for e in names)
                      + f"{_cell(row['jaxserve_over_vllm'], '.2f'):>10s}"
                      + f"{_cell(row['jaxserve_over_transformers'], '.2f'):>8s}")
     roof = result["roofline"]
@@ -297,6 +359,10 @@ def report(result: dict[str, Any]) -> str:
             f"{b['before']['best_gb_s']:.1f} / after {b['after']['best_gb_s']:.1f}) -> floor "
             f"{roof['floor_tokens_per_s']:.1f} tok/s; measured / floor: "
             + ", ".join(f"{ENGINE_LABELS[e]} {_cell(r, '.2f')}" for e, r in roof["ratio"].items()))
+        for e, f in roof.get("floors", {}).items():
+            mb = f["decode_bytes"] / 1e6 if f["decode_bytes"] else None
+            lines.append(f"  {ENGINE_LABELS[e]}: {_cell(mb, '.1f')} MB a token -> floor {_cell(f['floor_tokens_per_s'], '.1f')} tok/s, "
+                         f"measured / floor {_cell(roof['ratio'][e], '.2f')}")
     cache = result["legs"]["jaxserve"].get("load_cache", {})
     warm = ("warm compilation cache" if cache.get("cache_misses") == 0 else
             f"compilation cache: {cache.get('cache_hits')} hits, "
@@ -304,7 +370,7 @@ def report(result: dict[str, Any]) -> str:
     lines.append("start-up s: " + ", ".join(
         f"{ENGINE_LABELS[e]} {s:.1f}" + (f" ({warm})" if e == "jaxserve" else "")
         for e, s in result["startup_seconds"].items()))
-    for engine in ENGINES:
+    for engine in names:
         leg = result["legs"].get(engine, {})
         if "error" in leg:
             lines.append(f"{ENGINE_LABELS[engine]} not run: {leg['error']}")

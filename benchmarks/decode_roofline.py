@@ -60,16 +60,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="profile the timed decode steps into DIR and print the breakdown")
 
 
-def weight_bytes(model_dir: str | pathlib.Path, itemsize: int = 4) -> dict[str, int]:
+def weight_bytes(model_dir: str | pathlib.Path, itemsize: int = 4,
+                 quantization: str | None = None) -> dict[str, int]:
     """Bytes a batch-1 decode step reads, from the safetensors headers (see the module docstring).
 
     Args:
       itemsize: bytes per parameter in the run (4: float32), whatever the file stores.
+      quantization: "int8": jaxserve's weight-only int8 (``jaxserve.model.quantization``):
+        every 2-D weight (the linear kernels, the embedding, the LM head) is 1 byte a
+        parameter plus one float32 scale per output row (its first axis, HF's
+        ``[out, in]``); norms and biases stay at ``itemsize``.
 
     Returns:
       ``{"decode_bytes", "all_bytes", "num_params"}``.
     """
     sizes: dict[str, int] = {}
+    stored: dict[str, int] = {}  # bytes in the run
     for path in sorted(pathlib.Path(model_dir).glob("*.safetensors")):
         with open(path, "rb") as f:
             header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
@@ -80,14 +86,17 @@ def weight_bytes(model_dir: str | pathlib.Path, itemsize: int = 4) -> dict[str, 
             for dim in info["shape"]:
                 numel *= dim
             sizes[name] = numel
+            shape = info["shape"]
+            stored[name] = (numel + 4 * shape[0] if quantization == "int8" and len(shape) == 2
+                            else numel * itemsize)
     if not sizes:
         raise FileNotFoundError(f"no safetensors weights in {model_dir}")
     total = sum(sizes.values())
     untied_embed = [n for n in sizes if n.endswith("embed_tokens.weight")] if any(
         n.endswith("lm_head.weight") for n in sizes) else []
-    decode = total - sum(sizes[n] for n in untied_embed)
-    return {"decode_bytes": decode * itemsize, "all_bytes": total * itemsize,
-            "num_params": total}
+    all_bytes = sum(stored.values())
+    decode = all_bytes - sum(stored[n] for n in untied_embed)
+    return {"decode_bytes": decode, "all_bytes": all_bytes, "num_params": total}
 
 
 def _median_seconds(fn, *args, reps: int) -> float:

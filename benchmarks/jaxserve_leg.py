@@ -38,6 +38,7 @@ class EngineOptions:
     dtype: str = "float32"
     scan_layers: bool = False
     attention_backend: str | None = None  # None: the platform default
+    quantization: str | None = None  # None: float weights; "int8": weight-only int8
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -73,7 +74,7 @@ def make_llm(model: str | None, tokenizer: str | None, options: EngineOptions, *
                max_model_len=options.max_model_len,
                enable_prefix_caching=options.enable_prefix_caching, dtype=options.dtype,
                scan_layers=options.scan_layers, attention_backend=options.attention_backend,
-               async_scheduling=not profiled, worker=worker)
+               quantization=options.quantization, async_scheduling=not profiled, worker=worker)
 
 
 def warm_up(llm, workload: Workload, seed: int) -> float:

@@ -13,6 +13,12 @@ leg returns ``{"error": why}``.
 One request: the prompt evaluated, then greedy tokens (``temp=0``) until
 the output length, end-of-sequence ignored; all cores (``n_threads``).
 Timed: prompt evaluation plus generation, like the other legs' batch-1 run.
+
+Q8_0 variant (``cpu_side_by_side --quantized``): ``q8_0_gguf`` makes a Q8_0
+GGUF from the F32 one with llama.cpp's own quantizer
+(``llama_cpp.llama_model_quantize``, ``LLAMA_FTYPE_MOSTLY_Q8_0``) and caches it
+beside it (``<name>.Q8_0.gguf``); ``gguf_decode_bytes`` gives the bytes of its
+quantized weights a batch-1 token reads (its bandwidth floor's numerator).
 """
 
 from __future__ import annotations
@@ -144,6 +150,55 @@ def available(gguf: str | None) -> tuple[pathlib.Path | None, str]:
         path, why_not = _f32_twin(cache_root() / "gguf")
         why = f"{why}; {why_not}" if path is None else ""
     return path, why
+
+
+def q8_0_name(f32: pathlib.Path) -> str:
+    """The Q8_0 GGUF's file name beside the F32 one: ``X.F32.gguf`` -> ``X.Q8_0.gguf``."""
+    stem = f32.name[:-len(".gguf")] if f32.name.endswith(".gguf") else f32.stem
+    return f"{_QUANT_SUFFIX.sub('', stem)}.Q8_0.gguf"
+
+
+def q8_0_gguf(f32: pathlib.Path) -> tuple[pathlib.Path | None, str]:
+    """(the Q8_0 GGUF made from ``f32`` by llama.cpp's quantizer, "") or (None, why not).
+
+    Cached beside ``f32`` (``q8_0_name``): an existing file is used as it is.
+    Written to a temporary name and renamed, so a failure leaves no file.
+    """
+    if importlib.util.find_spec("llama_cpp") is None:
+        return None, "llama_cpp (llama-cpp-python) is not importable here"
+    dest = f32.with_name(q8_0_name(f32))
+    if dest.is_file():
+        return dest, ""
+    import ctypes
+
+    import llama_cpp
+
+    tmp = dest.with_name(f"{dest.name}.{os.getpid()}.tmp")
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0
+    params.nthread = os.cpu_count() or 1
+    logger.info("writing %s from %s (llama.cpp's quantizer, Q8_0)", dest.name, f32.name)
+    try:
+        code = llama_cpp.llama_model_quantize(str(f32).encode(), str(tmp).encode(),
+                                                 ctypes.byref(params))
+        if code != 0:
+            return None, f"llama_model_quantize({f32}, Q8_0) returned {code}"
+        os.replace(tmp, dest)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return dest, ""
+
+
+def gguf_decode_bytes(path: pathlib.Path) -> int:
+    """Bytes of the GGUF's tensors a batch-1 decode token reads, as stored (quantized blocks
+    with their scales): every tensor, less ``token_embd.weight`` when an ``output.weight``
+    (an untied LM head) exists, since then the embedding is only gathered, one row
+    (``decode_roofline.weight_bytes``'s rule)."""
+    import gguf
+
+    sizes = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors}
+    untied = "output.weight" in sizes
+    return sum(n for name, n in sizes.items() if not (untied and name == "token_embd.weight"))
 
 
 def run(workload: Workload, *, gguf: pathlib.Path) -> dict[str, Any]:
