@@ -269,3 +269,24 @@ def test_cpu_side_by_side(tiny_model_dir, tmp_path):
     assert out["startup_seconds"]["jaxserve"] > 0 and out["startup_seconds"]["vllm"] >= 0
     assert all(v >= 0 for v in legs["jaxserve"]["load_cache"].values())
     assert len(out["load_average_before"]) == len(out["load_average_after"]) == 3
+
+
+def test_structured_outputs(tiny_model_dir, tmp_path):
+    """Both batches run, every constrained row is counted, no compile in the timed window."""
+    out = run_bench("structured_outputs", tmp_path, "--model", str(tiny_model_dir), "--batch", "4",
+                    "--max-tokens", "8", "--repeats", "1", "--max-num-batched-tokens", "256")
+    runs = out["runs"]
+    assert set(runs) == {"unconstrained", "half_constrained"}
+    for name, (run,) in runs.items():
+        assert run["compiles"] == 0, name
+        assert run["output_tokens_per_s"] == pytest.approx(run["output_tokens"] / run["elapsed"])
+    assert out["ratio"] == pytest.approx(out["output_tokens_per_s"]["half_constrained"]
+                                         / out["output_tokens_per_s"]["unconstrained"])
+    (counts,) = out["validation"]
+    assert counts["constrained"] == 2  # rows 0 and 2 of 4
+    assert counts["valid"] <= counts["parsed"] <= counts["constrained"]
+    from benchmarks.structured_outputs import SCHEMAS
+
+    for name in SCHEMAS:
+        times = out["grammar_compile_s"][name]
+        assert times["first"] > 0 and times["cached"] >= 0
