@@ -52,6 +52,8 @@ def test_in_process_and_grpc_with_and_without_async_agree(demo_model_dir):
     async_llm = LLM(str(demo_model_dir), worker=InProcessWorker(loaded, progress=False),
                     async_scheduling=True, **ARGS)
     assert _tokens(async_llm, prompts) == reference
+    reference_llm.shutdown()  # and their background compiles
+    async_llm.shutdown()
     worker = start_worker_process(log_level="WARNING")
     try:
         for async_scheduling in (False, True):
