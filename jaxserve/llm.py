@@ -327,6 +327,7 @@ class _Pending:
                  tokenizer: Any):
         self.rid, self.text, self.ids, self.tokenizer = rid, text, ids, tokenizer
         self.completions = [_Completion(tokenizer, ids, sp) for _ in range(sp.n)]
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
         self.num_cached_tokens = 0
         self.num_unfinished = sp.n
 
@@ -339,6 +340,9 @@ class _Pending:
         c = self.completions[out.index]
         if out.index == 0:
             self.num_cached_tokens = out.num_cached_tokens
+        if out.prompt_logprobs is not None:  # vLLM's form: None for the first token
+            self.prompt_logprobs = [None] + [self._logprob_dict(t, lp) for t, lp in zip(
+                self.ids[1:], out.prompt_logprobs)]
         if c.logprobs is not None and out.new_logprobs:
             c.logprobs.extend(self._logprob_dict(t, lp)
                               for t, lp in zip(out.new_token_ids, out.new_logprobs))
@@ -372,7 +376,7 @@ class _Pending:
             outputs.append(CompletionOutput(i, c.out.text, ids, c.finish_reason, logprobs,
                                             c.stop_reason, cumulative))
         return RequestOutput(self.rid, self.text, list(self.ids), outputs, self.finished,
-                             self.num_cached_tokens)
+                             self.num_cached_tokens, self.prompt_logprobs)
 
 
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

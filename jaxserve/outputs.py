@@ -75,6 +75,10 @@ class RequestOutput:
       finished: every completion finished.
       num_cached_tokens: prompt tokens served from the prefix cache
         (sample 0's first scheduling).
+      prompt_logprobs: with ``SamplingParams.prompt_logprobs`` = N, one entry
+        per prompt token (vLLM's form): None for the first, then {token id:
+        Logprob} holding the prompt token (its logprob given the tokens
+        before it, its rank) and the top N; None when not asked.
     """
 
     request_id: str
@@ -83,3 +87,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -21,8 +21,8 @@ import numpy as np
 
 from jaxserve.proto import worker_pb2 as wpb
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.step_plan import (Geometry, NewRow, StepPlan, StepResult, WorkerInit,
-                                WorkerStatus)
+from jaxserve.step_plan import (Geometry, NewRow, PromptLogprobs, StepPlan, StepResult,
+                                WorkerInit, WorkerStatus)
 
 _I32 = np.dtype("<i4")
 _F32 = np.dtype("<f4")
@@ -168,23 +168,48 @@ def result_to_proto(result: StepResult) -> wpb.StepResult:
         msg.num_top_logprobs = result.top_token_ids.shape[1]
         msg.top_token_ids = _to_bytes(result.top_token_ids, _I32)
         msg.top_logprobs = _to_bytes(result.top_logprobs, _F32)
+    prompt = result.prompt_logprobs
+    if prompt is not None:
+        msg.prompt_logprobs.CopyFrom(wpb.PromptLogprobs(
+            index=_to_bytes(prompt.index, _I32), position=_to_bytes(prompt.position, _I32),
+            logprob=_to_bytes(prompt.logprob, _F32), rank=_to_bytes(prompt.rank, _I32),
+            num_top_logprobs=prompt.top_token_ids.shape[1],
+            top_token_ids=_to_bytes(prompt.top_token_ids, _I32),
+            top_logprobs=_to_bytes(prompt.top_logprobs, _F32)))
     return msg
+
+
+def _top(name: str, data: bytes, dtype: np.dtype, width: int, rows: int) -> np.ndarray:
+    """A [rows, width] array of top logprobs or ids (width 0: no bytes on the wire)."""
+    return _from_bytes(name, data, dtype, width) if width else np.zeros((rows, 0), dtype)
+
+
+def _prompt_from_proto(msg: wpb.PromptLogprobs) -> PromptLogprobs:
+    index = _i32("prompt_logprobs.index", msg.index)
+    width = msg.num_top_logprobs
+    return PromptLogprobs(
+        index, _i32("prompt_logprobs.position", msg.position),
+        _from_bytes("prompt_logprobs.logprob", msg.logprob, _F32),
+        _i32("prompt_logprobs.rank", msg.rank),
+        _top("prompt_logprobs.top_token_ids", msg.top_token_ids, _I32, width, len(index)),
+        _top("prompt_logprobs.top_logprobs", msg.top_logprobs, _F32, width, len(index)))
 
 
 def result_from_proto(msg: wpb.StepResult) -> StepResult:
     """Inverse of ``result_to_proto``. Raises ValueError on malformed arrays."""
     token_ids = _i32("token_ids", msg.token_ids)
+    prompt = (_prompt_from_proto(msg.prompt_logprobs) if msg.HasField("prompt_logprobs")
+              else None)
     if not msg.has_logprobs:
-        return StepResult(msg.step_id, token_ids, execute_seconds=msg.execute_seconds,
-                          device_seconds=msg.device_seconds)
+        return StepResult(msg.step_id, token_ids, prompt_logprobs=prompt,
+                          execute_seconds=msg.execute_seconds, device_seconds=msg.device_seconds)
     width = msg.num_top_logprobs
-    top_ids = _from_bytes("top_token_ids", msg.top_token_ids, _I32, width) if width else \
-        np.zeros((len(token_ids), 0), np.int32)
-    top_lp = _from_bytes("top_logprobs", msg.top_logprobs, _F32, width) if width else \
-        np.zeros((len(token_ids), 0), np.float32)
     return StepResult(msg.step_id, token_ids, _from_bytes("logprob", msg.logprob, _F32),
-                      _i32("rank", msg.rank), top_ids, top_lp,
-                      execute_seconds=msg.execute_seconds, device_seconds=msg.device_seconds)
+                      _i32("rank", msg.rank),
+                      _top("top_token_ids", msg.top_token_ids, _I32, width, len(token_ids)),
+                      _top("top_logprobs", msg.top_logprobs, _F32, width, len(token_ids)),
+                      prompt_logprobs=prompt, execute_seconds=msg.execute_seconds,
+                      device_seconds=msg.device_seconds)
 
 
 def status_to_proto(s: WorkerStatus) -> wpb.WorkerStatus:

@@ -230,6 +230,33 @@ class StepPlan:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class PromptLogprobs:
+    """The prompt logprobs one step computed: one entry per prompt token scored.
+
+    A row whose ``NewRow.sampling_params.prompt_logprobs`` is N (not None)
+    scores, for each of its query tokens at position p with p + 1 < its
+    ``num_prompt_tokens``, the prompt token at p + 1 given the tokens before
+    it: log_softmax of the raw logits (vLLM's prompt logprobs). Entries are
+    in token order.
+
+    Attributes:
+      index: i32[p] each entry's row as an index into the plan's ``rows``.
+      position: i32[p] the scored token's position in its row (>= 1).
+      logprob: f32[p] that token's logprob.
+      rank: i32[p] its rank, 1 = most likely.
+      top_token_ids: i32[p, NL] the top N ids, -1 past the row's N.
+      top_logprobs: f32[p, NL] their logprobs, descending.
+    """
+
+    index: np.ndarray  # [p] i32
+    position: np.ndarray  # [p] i32
+    logprob: np.ndarray  # [p] f32
+    rank: np.ndarray  # [p] i32
+    top_token_ids: np.ndarray  # [p, NL] i32
+    top_logprobs: np.ndarray  # [p, NL] f32
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class StepResult:
     """The worker's answer to a ``StepPlan``: one entry per sampling row.
 
@@ -243,6 +270,8 @@ class StepResult:
       rank: i32[s] its rank, 1 = most likely (-1 where not asked).
       top_token_ids: i32[s, NL] top-N ids, -1 past a row's N.
       top_logprobs: f32[s, NL] their logprobs, descending.
+      prompt_logprobs: what the step's prompt-logprob rows scored, or None
+        when no row of the plan asked for prompt logprobs.
       execute_seconds: the worker's time for the plan: its host work up to
         the dispatch (diffs, validation, the packed buffer and its upload)
         plus ``device_seconds``, seconds; 0 when not measured.
@@ -259,6 +288,7 @@ class StepResult:
     rank: np.ndarray | None = None  # [s] i32
     top_token_ids: np.ndarray | None = None  # [s, NL] i32
     top_logprobs: np.ndarray | None = None  # [s, NL] f32
+    prompt_logprobs: PromptLogprobs | None = None
     execute_seconds: float = 0.0
     device_seconds: float = 0.0
 

@@ -22,8 +22,7 @@ What is checked (``RequestLimits``):
   with ``ignore_eos``);
 - token ids inside the vocabulary: prompt, ``stop_token_ids``, ``logit_bias``;
 - lengths: a non-empty prompt shorter than ``max_model_len`` (one token
-  must be generated);
-- ``prompt_logprobs``: ``Unsupported`` (the engine does not compute them).
+  must be generated).
 
 ``RequestLimits.resolve_max_tokens`` adds the api's rule for
 ``max_tokens`` (prompt + max_tokens <= max_model_len, None resolved as in
@@ -133,7 +132,6 @@ class RequestLimits:
             entries or an id outside the vocabulary;
             ``sampling_params.stop_token_ids`` with more than ``MAX_STOP_IDS``
             ids counting EOS, or an id outside the vocabulary.
-          Unsupported: ``sampling_params.prompt_logprobs`` set.
         """
         if params.n > self.max_num_seqs:
             raise InvalidArgument(SAMPLING_PREFIX + "n",
@@ -152,8 +150,6 @@ class RequestLimits:
                                   f"at most {MAX_STOP_IDS} stop token ids including the model's "
                                   f"{len(self.eos_token_ids)} EOS ids (unless ignore_eos), got "
                                   f"{num_stop}")
-        if params.prompt_logprobs is not None:
-            raise Unsupported(SAMPLING_PREFIX + "prompt_logprobs", "not supported by this server")
         check_token_ids(params.stop_token_ids, vocab_size=self.vocab_size,
                         field=SAMPLING_PREFIX + "stop_token_ids")
         if params.logit_bias:

@@ -163,7 +163,6 @@ class RequestPreparer:
 
         Raises:
           InvalidArgument: a bad prompt or sampling parameter (the field is named).
-          Unsupported: ``prompt_logprobs`` (not supported by the engine).
         """
         params = self.sampling_params(sampling_params_kwargs_from_proto(request.sampling_params))
         kind = request.WhichOneof("prompt")

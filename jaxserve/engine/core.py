@@ -152,8 +152,6 @@ class EngineCore:
             field (``prompt_token_ids``, ``sampling_params.<name>``); also an
             unfinished request's id again, or a prompt beyond the step budget
             without chunked prefill (``Scheduler.add_request``).
-          jaxserve.validation.Unsupported: a ``NotImplementedError`` too
-            (``sampling_params.prompt_logprobs``).
           WorkerDiedError: the engine stopped serving.
         """
         self._check_serving()

@@ -69,6 +69,10 @@ class EngineCoreOutput:
       num_prompt_tokens: the prompt's length.
       num_cached_tokens: prompt tokens found in the prefix cache at the
         sequence's first scheduling.
+      prompt_logprobs: with ``SamplingParams.prompt_logprobs`` set, in sample
+        0's first output: one ``SampleLogprobs`` per prompt token from the
+        second on (P - 1 entries: the prompt token's logprob given the tokens
+        before it, its rank and the top N); else None.
     """
 
     request_id: str
@@ -79,6 +83,7 @@ class EngineCoreOutput:
     stop_reason: int | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    prompt_logprobs: list[SampleLogprobs] | None = None
 
     @property
     def finished(self) -> bool:

@@ -10,6 +10,7 @@ and blocks in a ``NewRow``.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 
 import numpy as np
 
@@ -41,9 +42,13 @@ def build_plan(step: ScheduledStep, step_id: int, token_buckets: tuple[int, ...]
     """
     new_rows = []
     for req in step.new_reqs:
+        params = req.sampling_params
+        if params.prompt_logprobs is not None and req.prompt_logprobs is None:
+            # sample > 0, or emitted before a preemption: the worker scores nothing
+            params = dataclasses.replace(params, prompt_logprobs=None)
         new_rows.append(NewRow(
             row=req.row, token_ids=np.array(req.token_ids, _I32),
-            num_prompt_tokens=req.num_prompt_tokens, sampling_params=req.sampling_params,
+            num_prompt_tokens=req.num_prompt_tokens, sampling_params=params,
             seed=req.seed, block_ids=np.array(req.block_ids, _I32)))
         req.num_blocks_sent = len(req.block_ids)
     append_rows: list[int] = []

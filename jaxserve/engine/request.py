@@ -74,6 +74,13 @@ class Request:
       order: (arrival counter, index); later arrivals are preempted first.
       grammar: the sequence's ``SequenceGrammar`` (structured outputs:
         ``jaxserve.engine.grammar``), or None.
+      prompt_logprobs: while the request's prompt logprobs are still to be
+        computed and emitted (``SamplingParams.prompt_logprobs`` set; sample 0
+        only, the others share its prompt): one entry per prompt position
+        1 .. P - 1, None until its step returns it (a ``SampleLogprobs`` of
+        that prompt token); None otherwise and once emitted. Such a sequence
+        takes no prefix-cache hits (vLLM's rule: the cached prefix has no
+        logits).
     """
 
     __slots__ = (
@@ -81,7 +88,7 @@ class Request:
         "order", "token_ids", "num_prompt_tokens", "num_computed_tokens", "block_ids",
         "block_hashes", "cacheable", "cache_salt", "row", "num_blocks_sent", "status",
         "max_tokens", "min_tokens", "eos_ids", "stop_ids", "stop_reason", "num_cached_tokens",
-        "num_preemptions", "wants_logprobs", "scheduled_before", "grammar")
+        "num_preemptions", "wants_logprobs", "scheduled_before", "grammar", "prompt_logprobs")
 
     def __init__(self, request_id: str, index: int, group: RequestGroup,
                  prompt_token_ids: list[int], sampling_params: SamplingParams, seed: int | None,
@@ -117,6 +124,9 @@ class Request:
         self.wants_logprobs = sampling_params.logprobs is not None
         self.scheduled_before = False
         self.grammar = None
+        self.prompt_logprobs: list | None = (
+            [None] * (self.num_prompt_tokens - 1)
+            if sampling_params.prompt_logprobs is not None and index == 0 else None)
 
     @property
     def num_tokens(self) -> int:

@@ -42,7 +42,7 @@ from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.grammar import SequenceGrammar
 from jaxserve.engine.messages import EngineCoreOutput, EngineCoreRequest, SampleLogprobs
 from jaxserve.engine.request import FINISH_REASONS, Request, RequestGroup, RequestStatus
-from jaxserve.step_plan import StepResult
+from jaxserve.step_plan import PromptLogprobs, StepResult
 from jaxserve.validation import InvalidArgument
 
 _ORDER = lambda r: r.order  # noqa: E731
@@ -237,7 +237,8 @@ class Scheduler:
                     req.grammar is not None and req.grammar.matcher is None):
                 skipped.append(waiting.popleft())  # siblings, and grammars still compiling
                 continue
-            hits = bm.find_cached_blocks(req)
+            # Prompt logprobs need every prompt token's logits: no cached prefix.
+            hits = [] if req.prompt_logprobs is not None else bm.find_cached_blocks(req)
             num_cached = len(hits) * self.block_size
             n = req.num_tokens - num_cached
             if n > budget:
@@ -292,6 +293,8 @@ class Scheduler:
         if len(tokens) != sum(step.sample):
             raise ValueError(f"worker returned {len(tokens)} tokens for "
                              f"{sum(step.sample)} sampling rows")
+        if result.prompt_logprobs is not None:
+            self._store_prompt_logprobs(step, result.prompt_logprobs)
         j = 0
         finished = False
         for req, sample in zip(step.reqs, step.sample):
@@ -305,18 +308,20 @@ class Scheduler:
                 status = self._advance_grammar(req, tokens[j])
             logprobs = self._logprobs(result, j) if req.wants_logprobs else None
             j += 1
+            prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs, None  # emitted once
             if status is None:
                 outputs.append(EngineCoreOutput(
                     req.request_id, req.index, [req.token_ids[-1]], logprobs,
                     num_prompt_tokens=req.num_prompt_tokens,
-                    num_cached_tokens=req.num_cached_tokens))
+                    num_cached_tokens=req.num_cached_tokens, prompt_logprobs=prompt_logprobs))
                 continue
             self._finish(req, status)
             finished = True
             outputs.append(EngineCoreOutput(
                 req.request_id, req.index, [req.token_ids[-1]], logprobs,
                 finish_reason=FINISH_REASONS[status], stop_reason=req.stop_reason,
-                num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens))
+                num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens,
+                prompt_logprobs=prompt_logprobs))
         if finished:
             self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
         return outputs
@@ -335,6 +340,22 @@ class Scheduler:
                            req.request_id, req.index, token, req.grammar.matcher_error())
             return RequestStatus.FINISHED_ABORTED
         return None
+
+    @staticmethod
+    def _store_prompt_logprobs(step: ScheduledStep, scored: PromptLogprobs) -> None:
+        """Files each scored prompt token with its sequence (``Request.prompt_logprobs``)."""
+        top_ids, keep = scored.top_token_ids, scored.top_token_ids >= 0
+        for e, (i, pos) in enumerate(zip(scored.index.tolist(), scored.position.tolist())):
+            entries = step.reqs[i].prompt_logprobs
+            if entries is None:  # emitted already
+                continue
+            if not 0 < pos <= len(entries):
+                raise ValueError(f"worker returned a prompt logprob at position {pos} for "
+                                 f"{step.reqs[i]!r}, whose prompt has {len(entries) + 1} tokens")
+            entries[pos - 1] = SampleLogprobs(
+                float(scored.logprob[e]), int(scored.rank[e]),
+                tuple(top_ids[e][keep[e]].tolist()),
+                tuple(scored.top_logprobs[e][keep[e]].tolist()))
 
     def _logprobs(self, result: StepResult, j: int) -> list[SampleLogprobs] | None:
         if result.logprob is None:

@@ -107,7 +107,7 @@ class StepPlan(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., freed_rows: _Optional[bytes] = ..., new_rows: _Optional[_Iterable[_Union[NewRow, _Mapping]]] = ..., append_rows: _Optional[bytes] = ..., append_block_ids: _Optional[bytes] = ..., rows: _Optional[bytes] = ..., num_computed: _Optional[bytes] = ..., num_tokens: _Optional[bytes] = ..., sample: _Optional[bytes] = ..., num_tokens_bucket: _Optional[int] = ..., num_reqs_bucket: _Optional[int] = ..., token_bitmask: _Optional[bytes] = ..., token_bitmask_words: _Optional[int] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "token_ids", "has_logprobs", "logprob", "rank", "num_top_logprobs", "top_token_ids", "top_logprobs", "execute_seconds", "device_seconds")
+    __slots__ = ("step_id", "token_ids", "has_logprobs", "logprob", "rank", "num_top_logprobs", "top_token_ids", "top_logprobs", "execute_seconds", "device_seconds", "prompt_logprobs")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     HAS_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -118,6 +118,7 @@ class StepResult(_message.Message):
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     EXECUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     token_ids: bytes
     has_logprobs: bool
@@ -128,7 +129,26 @@ class StepResult(_message.Message):
     top_logprobs: bytes
     execute_seconds: float
     device_seconds: float
-    def __init__(self, step_id: _Optional[int] = ..., token_ids: _Optional[bytes] = ..., has_logprobs: _Optional[bool] = ..., logprob: _Optional[bytes] = ..., rank: _Optional[bytes] = ..., num_top_logprobs: _Optional[int] = ..., top_token_ids: _Optional[bytes] = ..., top_logprobs: _Optional[bytes] = ..., execute_seconds: _Optional[float] = ..., device_seconds: _Optional[float] = ...) -> None: ...
+    prompt_logprobs: PromptLogprobs
+    def __init__(self, step_id: _Optional[int] = ..., token_ids: _Optional[bytes] = ..., has_logprobs: _Optional[bool] = ..., logprob: _Optional[bytes] = ..., rank: _Optional[bytes] = ..., num_top_logprobs: _Optional[int] = ..., top_token_ids: _Optional[bytes] = ..., top_logprobs: _Optional[bytes] = ..., execute_seconds: _Optional[float] = ..., device_seconds: _Optional[float] = ..., prompt_logprobs: _Optional[_Union[PromptLogprobs, _Mapping]] = ...) -> None: ...
+
+class PromptLogprobs(_message.Message):
+    __slots__ = ("index", "position", "logprob", "rank", "num_top_logprobs", "top_token_ids", "top_logprobs")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    index: bytes
+    position: bytes
+    logprob: bytes
+    rank: bytes
+    num_top_logprobs: int
+    top_token_ids: bytes
+    top_logprobs: bytes
+    def __init__(self, index: _Optional[bytes] = ..., position: _Optional[bytes] = ..., logprob: _Optional[bytes] = ..., rank: _Optional[bytes] = ..., num_top_logprobs: _Optional[int] = ..., top_token_ids: _Optional[bytes] = ..., top_logprobs: _Optional[bytes] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()

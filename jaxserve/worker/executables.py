@@ -9,17 +9,22 @@ shapes and dtypes ``InProcessWorker`` later calls it with, as
 - sampler: ``run_sampler`` (LM head + sampler), keyed on R and the sampler
   variant: |R ladder| × |COMPILED_VARIANTS| (the MASKED variant, for steps
   with structured-output rows, takes the step's token bitmask i32[R, W]);
+- prompt logprobs: ``run_prompt_logprobs`` (LM head + logprobs of every
+  token of the step), keyed on T: one per T on the ladder, run only in steps
+  with prompt-logprob rows;
 - rows: ``sync_rows`` per R (new rows' staged writes, padded to R) and
   ``set_penalty_row``: |R ladder| + 1.
 
 ``split_for_startup`` orders them for start-up: everything but the middle
-sampler variants and MASKED is compiled before the worker is ready; those
-(``BACKGROUND_VARIANTS``) are compiled after, in a background thread. Until
+sampler variants, MASKED and the prompt-logprob executables is compiled
+before the worker is ready; those (``BACKGROUND_VARIANTS``, then the prompt
+logprobs) are compiled after, in a background thread. Until
 a middle variant is ready a step that would use it runs the cheapest ready
 variant that covers it (FULL covers every unconstrained row, with FULL's
 tokens bit for bit: tests/worker/test_sampler_variants.py); a step with a
-constrained row waits for MASKED (nothing else covers it), so structured
-outputs add nothing to the start-up.
+constrained row waits for MASKED (nothing else covers it), and a step with a
+prompt-logprob row for its ``prompt_logprobs[T]``, so structured outputs and
+prompt logprobs add nothing to the start-up.
 
 The body returns its sampling rows' hidden states in a fixed ``[M, D]``, so
 the body does not depend on R nor the sampler on T.
@@ -41,7 +46,7 @@ from jaxserve.worker.compile_manager import StepExecutable
 from jaxserve.worker.device_inputs import SampleSlots
 from jaxserve.worker.device_state import PenaltyState, host_rows, set_penalty_row, sync_rows
 from jaxserve.worker.inputs import StepLayout
-from jaxserve.worker.model_runner import run_body, run_sampler
+from jaxserve.worker.model_runner import run_body, run_prompt_logprobs, run_sampler
 from jaxserve.worker.rows import RowState
 from jaxserve.worker.sampler import COMPILED_VARIANTS, FULL, GREEDY, SamplerVariant
 from jaxserve.worker.sampler.bitmask import num_words
@@ -98,6 +103,19 @@ def body_executable(shapes: LadderShapes, num_tokens: int, key: str = "") -> Ste
     args = (shapes.state, shapes.kv_cache, shapes.device_rows.block_table,
             shapes.spec((m + 1,), _I32), shapes.spec((layout.size,), _I32))
     return StepExecutable("body", f"body[T={num_tokens}]", fn, args, donate=(1, 2), key=key)
+
+
+def prompt_logprobs_name(num_tokens: int) -> str:
+    return f"prompt_logprobs[T={num_tokens}]"
+
+
+def prompt_logprobs_executable(shapes: LadderShapes, num_tokens: int,
+                               key: str = "") -> StepExecutable:
+    """``run_prompt_logprobs`` at T = ``num_tokens`` (the body's [T, D] states in)."""
+    hidden = shapes.spec((num_tokens, shapes.hidden.shape[1]), shapes.hidden.dtype)
+    fn = functools.partial(run_prompt_logprobs, shapes.graphdef)
+    args = (shapes.state, hidden, shapes.spec((2, num_tokens), _I32))
+    return StepExecutable("prompt_logprobs", prompt_logprobs_name(num_tokens), fn, args, key=key)
 
 
 def variant_name(variant: SamplerVariant) -> str:
@@ -163,10 +181,12 @@ def split_for_startup(executables: list[StepExecutable]
                       ) -> tuple[list[StepExecutable], list[StepExecutable]]:
     """(compiled before ready, compiled in the background after): see the module docstring.
 
-    The second list holds the samplers of ``BACKGROUND_VARIANTS``, in ladder order.
+    The second list holds the samplers of ``BACKGROUND_VARIANTS`` and the
+    prompt-logprob executables, in ladder order.
     """
     later = {variant_name(v) for v in BACKGROUND_VARIANTS}
-    is_later = [exe.kind == "sampler" and exe.name.split(",", 1)[1][:-1] in later
+    is_later = [exe.kind == "prompt_logprobs" or (
+                    exe.kind == "sampler" and exe.name.split(",", 1)[1][:-1] in later)
                 for exe in executables]
     return ([exe for exe, b in zip(executables, is_later) if not b],
             [exe for exe, b in zip(executables, is_later) if b])
@@ -180,6 +200,7 @@ def ladder_executables(shapes: LadderShapes, token_buckets: tuple[int, ...],
     key = shape_material(shapes, with_kv_cache=False)
     out += [sampler_executable(shapes, r, variant, key)
             for r in request_buckets for variant in COMPILED_VARIANTS]
+    out += [prompt_logprobs_executable(shapes, t, key) for t in token_buckets]
     full = shapes.device_rows
     for r in request_buckets:
         part = jax.tree.map(lambda x: shapes.spec((r,) + x.shape[1:], x.dtype), full)

@@ -32,7 +32,11 @@ processes agree on the KV cache size.
    and, when rows sample, ``run_sampler`` (keyed on R and the sampler
    variant chosen from the rows' parameters) draws the tokens, writes them
    to the rows' ``last_token`` and starts their copy to the host
-   (``copy_to_host_async``), **the step's only download**.
+   (``copy_to_host_async``), **the step's only download**;
+4. only in a step whose rows score prompt tokens (``prompt_logprobs`` set,
+   the prompt not yet computed): ``run_prompt_logprobs`` (keyed on T) over
+   the body's hidden states of every token, with its own upload (which
+   tokens score which prompt token) and download.
 
 Nothing in a dispatch waits for the device, so the caller dispatches step
 N + 1 before it reads step N's tokens (``PendingStep.result``): the host's
@@ -66,7 +70,8 @@ from jaxserve.model.attention import check_backend, default_backend
 from jaxserve.model.kv_cache import (KVCache, init_kv_cache, kv_cache_bytes_per_block,
                                       kv_cache_shapes)
 from jaxserve.model.loader import is_scanned, load_model, resolve_dtype, served_dtype
-from jaxserve.step_plan import Geometry, StepPlan, StepResult, WorkerInit, WorkerStatus
+from jaxserve.step_plan import (Geometry, PromptLogprobs, StepPlan, StepResult, WorkerInit,
+                                WorkerStatus)
 from jaxserve.worker import device_state as ds
 from jaxserve.worker import model_runner as mr
 from jaxserve.worker.compile_manager import (RecompileGuard, StepFunction, compile_all,
@@ -74,9 +79,9 @@ from jaxserve.worker.compile_manager import (RecompileGuard, StepFunction, compi
                                              configure_persistent_cache, program_store)
 from jaxserve.worker.executables import (LadderShapes, body_executable, ladder_executables,
                                          lower_body,
-                                         lower_sampler, sampler_name, split_for_startup,
-                                         variant_name)
-from jaxserve.worker.inputs import StepLayout, pack, query_input_ids
+                                         lower_sampler, prompt_logprobs_name, sampler_name,
+                                         split_for_startup, variant_name)
+from jaxserve.worker.inputs import StepLayout, pack, prompt_logprob_targets, query_input_ids
 from jaxserve.worker.kv_sizing import device_memory, num_kv_blocks, peak_activation_bytes
 from jaxserve.worker.rows import RowState
 from jaxserve.worker.sampler import (COMPILED_VARIANTS, FULL, MASKED, SamplerOutput,
@@ -105,10 +110,11 @@ class PendingStep:
 
     def __init__(self, step_id: int, num_sampled: int, out: SamplerOutput | None,
                  logprobs: bool, done: jax.Array, dispatched: float, host_seconds: float,
-                 clock: DeviceClock, on_done=None):
+                 clock: DeviceClock, on_done=None, prompt=None):
         self.step_id = step_id
         self._num_sampled, self._out, self._logprobs, self._done = num_sampled, out, logprobs, done
         self._dispatched, self._host_seconds, self._on_done = dispatched, host_seconds, on_done
+        self._prompt = prompt  # (mr.PromptLogprobs on the device, token, index, position)
         self._clock = clock
         self._lock = threading.Lock()
         self._result: StepResult | None = None
@@ -133,6 +139,12 @@ class PendingStep:
             out = fetch(self._out)
             result = StepResult(self.step_id, out.token_ids[:s], out.logprob[:s], out.rank[:s],
                                 out.top_token_ids[:s], out.top_logprobs[:s])
+        if self._prompt is not None:
+            device, token, index, position = self._prompt
+            scored = fetch(device)
+            result = dataclasses.replace(result, prompt_logprobs=PromptLogprobs(
+                index, position, scored.logprob[token], scored.rank[token],
+                scored.top_token_ids[token], scored.top_logprobs[token]))
         end = time.perf_counter()
         # The device runs steps in dispatch order: this one started no earlier
         # than its dispatch nor than the previous step's results (dispatch ahead).
@@ -401,15 +413,16 @@ class InProcessWorker:
         else:
             buffer, bitmask = upload(buffer, self.placement), None
         dispatched = time.perf_counter()
-        self.kv_cache, block_table, hidden, slots = self._call(
+        self.kv_cache, block_table, hidden, slots, hidden_all = self._call(
             f"body[T={layout.num_tokens}]", functools.partial(
                 mr.run_body, self.graphdef, layout=layout, backend=self.backend),
             self.state, self.kv_cache, self.device_rows.block_table, self.last_token, buffer)
         self.device_rows = dataclasses.replace(self.device_rows, block_table=block_table)
+        prompt = self._prompt_logprobs(plan, layout.num_tokens, hidden_all)
         sample_rows = plan.rows[plan.sample]  # [s]
         if not r:
             return PendingStep(plan.step_id, 0, None, False, slots.rows, dispatched,
-                               dispatched - start, self._clock, self._count)
+                               dispatched - start, self._clock, self._count, prompt)
         variant = self._ready_variant(r, MASKED if masked else rows.sampler_variant(sample_rows))
         rows.count_sampled(sample_rows)
         penalty = self.penalty if variant.processing else ds.PenaltyState(None, None)
@@ -425,8 +438,31 @@ class InProcessWorker:
         for leaf in jax.tree.leaves(out if logprobs else out.token_ids):
             leaf.copy_to_host_async()
         return PendingStep(plan.step_id, len(sample_rows), out, logprobs, out.token_ids,
-                           dispatched, dispatched - start, self._clock, self._count)
+                           dispatched, dispatched - start, self._clock, self._count, prompt)
 
+    def _prompt_logprobs(self, plan: StepPlan, t: int, hidden: jax.Array):
+        """Dispatches ``prompt_logprobs[T]`` when the step's rows score prompt tokens.
+
+        Only such steps run it (and upload its i32[2, T] targets); it is
+        compiled in the background at start-up, and a step that needs it
+        before then waits for it (``_wait_for``), never compiling in the step.
+
+        Returns:
+          None, or (``model_runner.PromptLogprobs`` on the device, its copy to
+          the host started; then the host's token, index and position arrays
+          of ``inputs.prompt_logprob_targets``).
+        """
+        scored = prompt_logprob_targets(self.rows, plan, t)
+        if scored is None:
+            return None
+        targets, token, index, position = scored
+        name = prompt_logprobs_name(t)
+        self._wait_for(name)
+        out = self._call(name, functools.partial(mr.run_prompt_logprobs, self.graphdef),
+                         self.state, hidden, upload(targets, self.placement))
+        for leaf in jax.tree.leaves(out):
+            leaf.copy_to_host_async()
+        return out, token, index, position
     def _padded_bitmask(self, bitmask: np.ndarray, r: int) -> np.ndarray:
         """The plan's i32[s, W] bitmask padded to i32[R, W] with all-allowed rows."""
         s, words = bitmask.shape
@@ -455,11 +491,20 @@ class InProcessWorker:
                  if v.covers(needed) and sampler_name(r, v) in self.functions]
         if ready:
             return ready[0]
-        name = sampler_name(r, needed)
+        self._wait_for(sampler_name(r, needed))
+        return needed
+
+    def _wait_for(self, name: str) -> None:
+        """Waits for the background compile of ladder executable ``name`` (if not ready).
+
+        Raises:
+          RuntimeError: its background compile failed.
+        """
+        if not self.init.precompile or name in self.functions:
+            return
         logger.info("step waits for the background compile of %s", name)
         if self.background_compile is None or not self.background_compile.wait_for(name):
             raise RuntimeError(f"{name} is not compiled (its background compile failed)")
-        return needed
 
     def _sync_rows(self, rows: np.ndarray) -> None:
         """One staged write of whole rows (host mirror → device), padded to an R bucket."""

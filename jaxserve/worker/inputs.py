@@ -144,3 +144,39 @@ def query_input_ids(rows: RowState, plan: StepPlan) -> np.ndarray:
                          f"nor its row's last sampled token")
     ids = rows.token_ids[tok_row, np.minimum(pos, rows.max_model_len - 1)]
     return np.where(known, ids, -1).astype(np.int32)
+
+
+def prompt_logprob_targets(rows: RowState, plan: StepPlan, num_tokens: int
+                           ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+    """What ``run_prompt_logprobs`` scores in this step, or None when nothing.
+
+    A row with prompt logprobs (``RowState.prompt_logprobs`` >= 0) scores, for
+    each query token at position p with p + 1 < its prompt length, the prompt
+    token at p + 1 (``step_plan.PromptLogprobs``).
+
+    Args:
+      num_tokens: T, the step's token bucket.
+
+    Returns:
+      (targets i32[2, T]: the next prompt token and N per token of the step,
+      N = -1 where not scored; token i32[p]: the scored tokens' indices in
+      the step; index i32[p]: their rows' indices in ``plan.rows``;
+      position i32[p]: the positions of the tokens scored), or None.
+    """
+    r, c, n = plan.rows, plan.num_computed, plan.num_tokens
+    want = rows.prompt_logprobs[r] >= 0  # [n]
+    if not want.any():
+        return None
+    start = np.cumsum(n) - n  # [n]
+    tok_index = np.repeat(np.arange(len(r), dtype=np.int32), n)  # [total]
+    pos = np.arange(int(n.sum()), dtype=np.int32) + np.repeat(c - start, n)  # [total]
+    tok_row = r[tok_index]
+    token = np.flatnonzero(want[tok_index] & (pos + 1 < rows.num_prompt_tokens[tok_row]))
+    if not token.size:
+        return None
+    targets = np.zeros((2, num_tokens), np.int32)
+    targets[1] = -1
+    scored = pos[token] + 1
+    targets[0, token] = rows.token_ids[tok_row[token], scored]
+    targets[1, token] = rows.prompt_logprobs[tok_row[token]]
+    return targets, token.astype(np.int32), tok_index[token], scored.astype(np.int32)

@@ -7,23 +7,31 @@ tests and the benchmarks all run it.
   table, builds the step's inputs on the device (``device_inputs``), runs
   every layer over the T tokens, and gathers the final hidden state of
   each sampling row's last token into M fixed slots (so the sampler's
-  shapes do not depend on T). The KV cache and the block table are donated
-  (updated in place).
+  shapes do not depend on T); it also returns every token's final hidden
+  state [T, D] (the model computes it for every token anyway; a step
+  without prompt-logprob rows drops it). The KV cache and the block table
+  are donated (updated in place).
 - ``run_sampler``: the LM head over the first R slots, the sampling
   parameters gathered from the persistent rows, and the sampler
   (``jaxserve.worker.sampler.sample``) in the variant the host chose; then
   each sampled token becomes its row's ``last_token`` (donated) and, in
   variants that apply penalties, is counted in ``output_counts`` (donated).
+- ``run_prompt_logprobs``: keyed on T, run only in steps with prompt-logprob
+  rows: the LM head over the body's [T, D] states, in chunks of at most
+  ``PROMPT_LOGPROBS_CHUNK`` tokens, and for every token the logprob (from the
+  raw logits, as vLLM) of the prompt token that follows it, its rank and the
+  top ``MAX_LOGPROBS`` (``sampler.token_logprobs``, the sampler's own).
 - ``run_body_logits``: the same body with the logits of every token (the
   model parity tests compare them with transformers).
 
-So the step executables number |T ladder| + |R ladder| × |variants|, not a
+So the step executables number 2 × |T ladder| + |R ladder| × |variants|, not a
 product with T; ``executables`` says which are compiled at start-up and which
 in the background after.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -37,7 +45,8 @@ from jaxserve.worker.device_inputs import SampleSlots, apply_appends, step_input
 from jaxserve.worker.device_state import DeviceRows
 from jaxserve.worker.inputs import StepLayout
 from jaxserve.worker.rows import PARAM_FIELDS
-from jaxserve.worker.sampler import SamplerOutput, SamplerVariant, SamplingMetadata, sample
+from jaxserve.worker.sampler import (SamplerOutput, SamplerVariant, SamplingMetadata, sample,
+                                     token_logprobs)
 
 
 def _body(graphdef: StaticGraph, state: dict, kv_cache: KVCache, block_table: jax.Array,
@@ -68,11 +77,58 @@ def run_body(graphdef: StaticGraph, state: dict, kv_cache: KVCache, block_table:
 
     Returns:
       (kv_cache, block_table, hidden [M, D] in the parameter dtype — slot j
-      holds the j-th sampling row's last token's state, slots)
+      holds the j-th sampling row's last token's state, slots, every token's
+      hidden state [T, D] for ``run_prompt_logprobs``)
     """
     _, hidden, kv_cache, block_table, slots = _body(graphdef, state, kv_cache, block_table,
                                                     last_token, buffer, layout, backend)
-    return kv_cache, block_table, hidden[slots.logits_indices], slots
+    return kv_cache, block_table, hidden[slots.logits_indices], slots, hidden
+
+
+# Most tokens whose logits [C, V] f32 one chunk of ``run_prompt_logprobs`` holds.
+PROMPT_LOGPROBS_CHUNK = 512
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PromptLogprobs:
+    """``run_prompt_logprobs``'s output: one entry per token of the step.
+
+    Entry t is about the token that follows token t in its row's prompt;
+    entries of tokens that asked for none hold NaN / -1 / -inf / -1.
+    """
+
+    logprob: jax.Array  # [T] f32 that token's logprob
+    rank: jax.Array  # [T] i32 its rank, 1 = most likely
+    top_logprobs: jax.Array  # [T, NL] f32 descending; -inf past the row's N
+    top_token_ids: jax.Array  # [T, NL] i32; -1 past the row's N
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def run_prompt_logprobs(graphdef: StaticGraph, state: dict, hidden: jax.Array,
+                        targets: jax.Array) -> PromptLogprobs:
+    """Prompt logprobs of one step's tokens, from ``run_body``'s hidden states.
+
+    Args:
+      graphdef, state: the split model.
+      hidden: [T, D], every token's final hidden state (``run_body``'s last output).
+      targets: i32[2, T]: row 0 the prompt token that follows each token (any
+        id in [0, V) where not asked), row 1 how many top logprobs each token
+        asks for (-1 = none, else N <= ``MAX_LOGPROBS``).
+
+    Returns:
+      ``PromptLogprobs`` over the T tokens, NL = ``MAX_LOGPROBS``.
+    """
+    model = graphdef.merge(state)
+    t = hidden.shape[0]
+    parts = []
+    for start in range(0, t, PROMPT_LOGPROBS_CHUNK):  # unrolled: no loop in the executable
+        end = min(start + PROMPT_LOGPROBS_CHUNK, t)
+        logits = model.logits(hidden[start:end])  # [C, V] f32
+        parts.append(token_logprobs(logits, targets[0, start:end], targets[1, start:end],
+                                    MAX_LOGPROBS))
+    return PromptLogprobs(*(jnp.concatenate(p) if len(parts) > 1 else p[0]
+                            for p in zip(*parts)))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "layout", "backend"),

@@ -66,6 +66,7 @@ class RowState:
         self.has_penalty = np.zeros(m + 1, bool)  # [M + 1]
         self.has_banned = np.zeros(m + 1, bool)  # [M + 1] EOS / stop ids to ban for min_tokens
         self.stages = np.zeros((m + 1, len(STAGES)), bool)  # [M + 1, stages] the row needs
+        self.prompt_logprobs = np.full(m, -1, np.int32)  # [M] N of prompt logprobs, -1 none
         pad = build_sampling_metadata([], prompt_token_ids=[], output_token_ids=[],
                                       vocab_size=vocab_size, num_rows=1)
         # [M + 1, ...] per field; row M stays the neutral padding row.
@@ -84,6 +85,7 @@ class RowState:
         self.num_tokens[rows] = 0
         self.num_blocks[rows] = 0
         self.block_table[rows] = 0
+        self.prompt_logprobs[rows] = -1
 
     def add(self, new: NewRow):
         """Fills a new row; returns its one-row SamplingMetadata (NumPy) for penalty state.
@@ -113,6 +115,7 @@ class RowState:
         self.num_known[r] = self.num_tokens[r] = p
         self.num_prompt_tokens[r] = new.num_prompt_tokens
         self.min_tokens[r] = sp.min_tokens
+        self.prompt_logprobs[r] = -1 if sp.prompt_logprobs is None else sp.prompt_logprobs
         self.has_penalty[r] = (sp.repetition_penalty != 1.0 or sp.presence_penalty != 0.0
                                or sp.frequency_penalty != 0.0)
         self.has_banned[r] = bool((meta.banned_ids[0] >= 0).any())

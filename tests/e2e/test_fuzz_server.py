@@ -117,7 +117,7 @@ def sampling_params(draw, *, wild: bool, cancel: bool) -> pb.SamplingParams:
     for name, strategy in fields.items():
         if draw(st.booleans()):
             setattr(message, name, draw(strategy))
-    if draw(st.integers(0, 9)) == 0:  # valid, yet UNIMPLEMENTED
+    if draw(st.integers(0, 9)) == 0:  # computed in the prefill steps
         message.prompt_logprobs = draw(_ints(0, 20, wild))
     small = st.integers(1, 4)
     if cancel:
@@ -228,7 +228,6 @@ def test_random_generate_requests(channel, client):
     assert sum(outcomes.values()) >= 200, outcomes
     # The run reached both sides: streams that finished and each refusal kind.
     assert outcomes.get("ok", 0) >= 20 and outcomes.get("INVALID_ARGUMENT", 0) >= 20, outcomes
-    assert outcomes.get("UNIMPLEMENTED", 0) >= 1, outcomes
     _still_serving(client)
 
 

@@ -121,8 +121,7 @@ def _bad_cases(vocab: int, max_len: int):
         ("too many logit biases",
          _request(logit_bias={i: 0.5 for i in range(100, 101 + MAX_LOGIT_BIAS)}), INVALID,
          sp + "logit_bias:"),
-        ("prompt_logprobs", _request(prompt_logprobs=1), grpc.StatusCode.UNIMPLEMENTED,
-         sp + "prompt_logprobs:"),
+        ("prompt_logprobs > 20", _request(prompt_logprobs=21), INVALID, sp + "prompt_logprobs:"),
     ]
 
 

@@ -6,7 +6,10 @@ tokens appended to its rows) but its "KV cache" holds, in every slot, the
 position of the token written there and a 61-bit digest of the whole
 sequence up to it: ``kv[p] = mix(kv[p - 1], token[p])``, with ``kv[p - 1]``
 read *through the block table*, as attention reads its context. The
-"sampled" token is a function of that digest. So a wrong block table, a
+"sampled" token is a function of that digest, and so is a prompt token's
+"prompt logprob" (rows with ``prompt_logprobs``: the digest of the context
+before it, as the real worker scores it from the logits at the position
+before). So a wrong block table, a
 prefix-cache hit on a block with other content, a stale block, or a token
 fed at the wrong position changes the outputs or trips an assertion —
 the oracle for the engine tests is the same requests run alone on a big
@@ -21,10 +24,12 @@ vocabulary).
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from jaxserve.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_IDS
-from jaxserve.step_plan import Geometry, NewRow, StepPlan, StepResult, WorkerInit
+from jaxserve.step_plan import Geometry, NewRow, PromptLogprobs, StepPlan, StepResult, WorkerInit
 
 _MASK = (1 << 61) - 1
 
@@ -72,7 +77,8 @@ class FakeWorker:
         assert len(bias) <= MAX_LOGIT_BIAS and len(stop) <= MAX_STOP_IDS, "over the sampler widths"
         assert all(0 <= t < self.vocab_size for t in [*bias, *stop]), "an id outside the vocabulary"
         self.rows[new.row] = dict(tokens=new.token_ids.tolist(), blocks=new.block_ids.tolist(),
-                                  params=new.sampling_params)
+                                  params=new.sampling_params,
+                                  num_prompt=new.num_prompt_tokens)
 
     def execute(self, plan: StepPlan) -> StepResult:
         if self.keep_plans:
@@ -92,9 +98,11 @@ class FakeWorker:
         assert len(set(plan.rows.tolist())) == len(plan.rows), "a row scheduled twice"
         s = self.block_size
         sampled, logprob = [], []
-        for row, c, n, smp in zip(plan.rows.tolist(), plan.num_computed.tolist(),
-                                  plan.num_tokens.tolist(), plan.sample.tolist()):
+        scored: list[tuple[int, int, float, int]] = []  # (plan index, position, logprob, token)
+        for i, (row, c, n, smp) in enumerate(zip(plan.rows.tolist(), plan.num_computed.tolist(),
+                                                 plan.num_tokens.tolist(), plan.sample.tolist())):
             state = self.rows[row]
+            score = state["params"].prompt_logprobs is not None
             tokens, blocks = state["tokens"], state["blocks"]
             assert n >= 1 and c + n <= len(tokens), (row, c, n, len(tokens))
             assert len(blocks) * s >= c + n, "too few blocks for the step's tokens"
@@ -109,6 +117,8 @@ class FakeWorker:
                 assert block != 0, "a real token written into the null block"
                 digest = _mix(digest, tokens[p], p)
                 self.kv[block * s + p % s] = (p, digest)
+                if score and p + 1 < state["num_prompt"]:
+                    scored.append((i, p + 1, prompt_logprob(digest), tokens[p + 1]))
             if smp:
                 assert c + n == len(tokens), "sampling a row that has not computed all its tokens"
                 token = (digest >> 11) % self.vocab_size
@@ -126,10 +136,33 @@ class FakeWorker:
             top_lp[:, 0] = logprob
             result = StepResult(plan.step_id, result.token_ids, np.array(logprob, np.float32),
                                 np.ones(k, np.int32), top_ids, top_lp)
+        if scored:
+            index, position, values, ids = (np.array(x) for x in zip(*scored))
+            top_ids = np.full((len(scored), 2), -1, np.int32)
+            top_ids[:, 0] = ids
+            top_lp = np.full((len(scored), 2), -np.inf, np.float32)
+            top_lp[:, 0] = values
+            result = dataclasses.replace(result, prompt_logprobs=PromptLogprobs(
+                index.astype(np.int32), position.astype(np.int32), values.astype(np.float32),
+                np.ones(len(scored), np.int32), top_ids, top_lp))
         return result
 
     def shutdown(self) -> None:
         self.rows.clear()
+
+
+def prompt_logprob(digest: int) -> float:
+    """The fake "logprob" of the token after a context with this digest."""
+    return -((digest >> 5) % 1000) / 100.0
+
+
+def reference_prompt_logprobs(prompt: list[int]) -> list[float]:
+    """``FakeWorker``'s prompt logprobs of ``prompt``'s tokens 1 .. P - 1 (the oracle)."""
+    out, digest = [], 0
+    for p, token in enumerate(prompt[:-1]):
+        digest = _mix(digest, token, p)
+        out.append(float(np.float32(prompt_logprob(digest))))
+    return out
 
 
 def reference_tokens(prompt: list[int], num_tokens: int, vocab_size: int = 64) -> list[int]:

@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 
 from jaxserve.engine import CacheConfig, EngineConfig, EngineCore, EngineCoreRequest, SchedulerConfig
-from jaxserve.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_IDS, SamplingParams
+from jaxserve.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_IDS, SamplingParams
 from jaxserve.validation import InvalidArgument
-from tests.engine.fake_worker import FakeWorker, expected_completion, reference_tokens
+from tests.engine.fake_worker import (FakeWorker, expected_completion, reference_prompt_logprobs,
+                                      reference_tokens)
 
 EOS = (0,)
 MAX_LEN = 200
@@ -113,6 +114,53 @@ def test_shared_system_prompt_hits_the_prefix_cache():
         hit_blocks = sum(min(finish[(rid, 0)][2], 64) // 16 for rid, _, _ in requests[1:])
         shareable = 4 * (len(requests) - 1)
         assert hit_blocks / shareable >= 0.9, (budget, hit_blocks, shareable)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_prompt_logprobs_arrive_once_whole_through_chunks_preemption_and_cache(
+        async_scheduling):
+    """Every prompt position once, in sample 0's first output, whatever the schedule.
+
+    Budget 16 chunks the prompts; a cache holding one full-length sequence
+    preempts; the shared system prompt is in the prefix cache, yet a request
+    asking for prompt logprobs takes no hit. Sample 1 and a resumed sequence
+    whose prompt logprobs went out score nothing (the plan strips them).
+    """
+    rng = random.Random(9)
+    system = [rng.randrange(1, 64) for _ in range(32)]
+    requests = []
+    for i in range(12):
+        prompt = system + [rng.randrange(1, 64) for _ in range(rng.randrange(1, 30))]
+        asks = i % 3 != 0
+        requests.append((f"p{i}", prompt, SamplingParams(
+            n=1 + (i % 4 == 1), max_tokens=30, ignore_eos=True,
+            prompt_logprobs=i % 3 if asks else None)))
+    config = EngineConfig(
+        max_model_len=MAX_LEN, async_scheduling=async_scheduling,
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=16),
+        cache=CacheConfig(block_size=4, num_kv_blocks=MAX_LEN // 4 + 1))
+    worker = FakeWorker(max_model_len=MAX_LEN, eos_token_ids=EOS)
+    worker.keep_plans = True
+    engine = EngineCore(config, worker)
+    for rid, prompt, sp in requests:
+        engine.add_request(EngineCoreRequest(rid, prompt, sp))
+    got, cached = {}, {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.prompt_logprobs is not None:
+                assert out.index == 0 and out.request_id not in got
+                got[out.request_id] = [lp.logprob for lp in out.prompt_logprobs]
+                cached[out.request_id] = out.num_cached_tokens
+    assert engine.stats().num_preemptions > 0
+    for rid, prompt, sp in requests:
+        if sp.prompt_logprobs is None:
+            assert rid not in got
+            continue
+        assert got[rid] == reference_prompt_logprobs(prompt), rid
+        assert cached[rid] == 0
+    scoring = [new for plan in worker.plans for new in plan.new_rows
+               if new.sampling_params.prompt_logprobs is not None]
+    assert all(len(new.token_ids) == new.num_prompt_tokens for new in scoring)
 
 
 @pytest.mark.parametrize("caching", [True, False])
@@ -216,14 +264,12 @@ def test_invalid_requests_are_rejected_naming_the_field():
             engine.add_request(request)
         assert isinstance(err.value, ValueError) and err.value.field == field, request
         assert str(err.value).startswith(field + ": ")
-    with pytest.raises(NotImplementedError):
-        engine.add_request(EngineCoreRequest("j", [1], SamplingParams(prompt_logprobs=1)))
     # Refused requests hold nothing: only "a" is queued.
     assert list(engine.scheduler.groups) == ["a"]
     # The limits themselves are accepted (EOS not counted with ignore_eos).
     engine.add_request(EngineCoreRequest("k", [1], SamplingParams(
         n=4, stop_token_ids=list(range(1, MAX_STOP_IDS + 1)), ignore_eos=True,
-        logit_bias={i: 1.0 for i in range(MAX_LOGIT_BIAS)})))
+        logit_bias={i: 1.0 for i in range(MAX_LOGIT_BIAS)}, prompt_logprobs=MAX_LOGPROBS)))
 
 
 def test_decode_plans_are_o_rows_and_buckets_are_on_the_ladder():

@@ -13,9 +13,8 @@ random list of operations:
   sampler's widths (``MAX_STOP_IDS``, ``MAX_LOGIT_BIAS``; the fake worker
   asserts them as the real one refuses them). ``SamplingParams`` itself may refuse the
   values (``ValueError``: the caller's contract, nothing reaches the
-  engine); ``add_request`` may refuse the request only with ``ValueError``
-  (or ``NotImplementedError`` for ``prompt_logprobs``), and then leaves
-  the engine as it was;
+  engine); ``add_request`` may refuse the request only with ``ValueError``,
+  and then leaves the engine as it was;
 - **abort**: a list mixing request ids and (id, index) pairs, live,
   finished, unknown and repeated ones;
 - **step**: one to four steps.
@@ -137,10 +136,6 @@ class _Harness:
         except ValueError:
             assert self._snapshot() == before, "a refused request changed the engine"
             self.refused += 1
-            return
-        except NotImplementedError:
-            assert params.prompt_logprobs is not None
-            assert self._snapshot() == before, "a refused request changed the engine"
             return
         self.live[rid] = set(range(params.n))
         self.added += 1

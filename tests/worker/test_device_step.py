@@ -149,8 +149,8 @@ def test_step_n_plus_1_is_dispatched_before_step_n_is_read(tiny, monkeypatch):
     real_body = mr.run_body
 
     def slow_body(*args, **kwargs):
-        kv_cache, block_table, hidden, slots = real_body(*args, **kwargs)
-        return kv_cache, block_table, _busy(hidden), slots
+        kv_cache, block_table, hidden, slots, hidden_all = real_body(*args, **kwargs)
+        return kv_cache, block_table, _busy(hidden), slots, hidden_all
 
     monkeypatch.setattr(mr, "run_body", jax.jit(
         slow_body, static_argnums=0, static_argnames=("layout", "backend"),

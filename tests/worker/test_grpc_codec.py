@@ -19,7 +19,8 @@ from jaxserve import plan_codec
 from jaxserve.engine import CacheConfig, EngineConfig, EngineCore, EngineCoreRequest, SchedulerConfig
 from jaxserve.proto import worker_pb2 as wpb
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.step_plan import NewRow, StepPlan, StepResult, WorkerInit, WorkerStatus
+from jaxserve.step_plan import (NewRow, PromptLogprobs, StepPlan, StepResult, WorkerInit,
+                                WorkerStatus)
 from tests.engine.fake_worker import FakeWorker
 
 
@@ -33,6 +34,8 @@ def _assert_same(a, b):
         x, y = getattr(a, f.name), getattr(b, f.name)
         if isinstance(x, np.ndarray):
             assert x.dtype == y.dtype and x.shape == y.shape and np.array_equal(x, y), f.name
+        elif isinstance(x, PromptLogprobs):
+            _assert_same(x, y)
         elif isinstance(x, tuple) and x and isinstance(x[0], NewRow):
             assert len(x) == len(y)
             for u, v in zip(x, y):
@@ -91,8 +94,9 @@ def test_random_plans_round_trip_exactly():
         _assert_same(plan, back)
 
 
+@pytest.mark.parametrize("with_prompt", [False, True])
 @pytest.mark.parametrize("with_logprobs", [False, True])
-def test_results_round_trip_exactly(with_logprobs):
+def test_results_round_trip_exactly(with_logprobs, with_prompt):
     rng = np.random.default_rng(1)
     s = 7
     result = StepResult(3, rng.integers(0, 50000, s, dtype=np.int32),
@@ -104,6 +108,13 @@ def test_results_round_trip_exactly(with_logprobs):
             rank=rng.integers(1, 9, s, dtype=np.int32), top_token_ids=top_ids,
             top_logprobs=np.where(top_ids >= 0, rng.normal(size=(s, 20)), -np.inf).astype(
                 np.float32))
+    if with_prompt:  # 5 prompt tokens scored, N up to 3
+        top_ids = rng.integers(-1, 50000, (5, 20), dtype=np.int32)
+        result = dataclasses.replace(result, prompt_logprobs=PromptLogprobs(
+            np.array([0, 0, 0, 2, 2], np.int32), np.array([1, 2, 3, 9, 10], np.int32),
+            rng.normal(size=5).astype(np.float32), rng.integers(1, 9, 5, dtype=np.int32),
+            top_ids, np.where(top_ids >= 0, rng.normal(size=(5, 20)), -np.inf).astype(
+                np.float32)))
     back = plan_codec.result_from_proto(_wire(plan_codec.result_to_proto(result), wpb.StepResult))
     _assert_same(result, back)
 

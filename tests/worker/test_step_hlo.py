@@ -1,7 +1,7 @@
 """Every executable of the served step, lowered for the GPU, has no data-dependent control flow.
 
 The whole ladder (bodies with the Pallas attention backend, the LM head +
-sampler in every variant, the staged row writes) is lowered for platform
+sampler in every variant, the prompt logprobs, the staged row writes) is lowered for platform
 ``cuda`` with no GPU present; the StableHLO must hold no ``case`` / ``if`` /
 ``while`` (``tests/hlo_checks.py``), since a GPU runs each by copying its
 predicate to the host and waiting. The CPU reference attention keeps its
@@ -33,7 +33,8 @@ def test_the_ladder_covers_every_kind_and_variant(ladder):
     names = [exe.name for exe in ladder]
     assert sum(n.startswith("body[") for n in names) == 3
     assert sum(n.startswith("sampler[") for n in names) == 2 * len(COMPILED_VARIANTS)
-    assert {exe.kind for exe in ladder} == {"body", "sampler", "rows"}
+    assert sum(n.startswith("prompt_logprobs[") for n in names) == 3
+    assert {exe.kind for exe in ladder} == {"body", "sampler", "prompt_logprobs", "rows"}
 
 
 def test_no_executable_of_the_step_has_control_flow(ladder):
