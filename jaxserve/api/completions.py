@@ -7,6 +7,8 @@ index) and turns each ``EngineCoreOutput`` into the responses to send:
   (new token ids, maybe an empty text delta while a character or a possible
   stop string is held back); the completion's last response carries
   ``finished`` together with its last tokens and text.
+  With prompt logprobs (sample 0's first engine output carries them), each
+  completion's first response sent afterwards carries them too.
 - **non-stream**: one response per completion, when it finishes, with all
   its tokens, its whole text and ``finished``.
 
@@ -34,7 +36,7 @@ class _Completion:
     """One sample's detokenizer and what is not yet sent."""
 
     __slots__ = ("out", "finished", "ids", "text", "logprobs", "first_token_time", "finish_time",
-                 "reason")
+                 "reason", "prompt_sent")
 
     def __init__(self, tokenizer: Any, prompt_ids: Sequence[int], params: SamplingParams):
         self.out = IncrementalOutput(tokenizer, prompt_ids, params)
@@ -45,6 +47,7 @@ class _Completion:
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
         self.reason: str | None = None
+        self.prompt_sent = False  # the request's prompt logprobs went out in a response
 
 
 class RequestTracker:
@@ -66,6 +69,7 @@ class RequestTracker:
         self.arrival_time = arrival_time
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_cached_tokens = 0
+        self.prompt_logprobs: list[pb.TokenLogprobs] | None = None  # once sample 0 has them
         self.completions = [_Completion(tokenizer, prompt_token_ids, params)
                             for _ in range(params.n)]
 
@@ -97,6 +101,8 @@ class RequestTracker:
             return [], False
         if output.index == 0:
             self.num_cached_tokens = output.num_cached_tokens
+        if output.prompt_logprobs is not None:
+            self.prompt_logprobs = [_logprobs(lp) for lp in output.prompt_logprobs]
         before = c.out.num_tokens
         delta = c.out.push(output.new_token_ids, stop_token=output.finish_reason == "stop")
         accepted = output.new_token_ids[:c.out.num_tokens - before]
@@ -130,6 +136,9 @@ class RequestTracker:
     def _take(self, c: _Completion, index: int) -> pb.GenerateResponse:
         response = pb.GenerateResponse(request_id=self.request_id, index=index,
                                        token_ids=c.ids, text="".join(c.text), logprobs=c.logprobs)
+        if self.prompt_logprobs is not None and not c.prompt_sent:
+            response.prompt_logprobs.extend(self.prompt_logprobs)
+            c.prompt_sent = True
         c.ids, c.text, c.logprobs = [], [], []
         return response
 
@@ -152,4 +161,4 @@ class RequestTracker:
 
 def _logprobs(lp: SampleLogprobs) -> pb.TokenLogprobs:
     return pb.TokenLogprobs(logprob=lp.logprob, top_token_ids=lp.top_token_ids,
-                            top_logprobs=lp.top_logprobs)
+                            top_logprobs=lp.top_logprobs, rank=lp.rank)

@@ -131,11 +131,13 @@ class ReadyWait:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class TokenLogprobs:
-    """Logprobs (natural log) of one generated token: the sampled one and the top N."""
+    """Logprobs (natural log) of one token: the sampled (or prompt) one, the top N, and
+    its rank (1 = most likely)."""
 
     logprob: float
     top_token_ids: tuple[int, ...]
     top_logprobs: tuple[float, ...]
+    rank: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -153,7 +155,9 @@ class StreamDelta:
 
     ``finish_reason`` ("stop" / "length" / "abort"), ``stop_reason`` (the stop
     string, the stop token id, or None for EOS) and ``usage`` are set on the
-    completion's last delta only.
+    completion's last delta only. ``prompt_logprobs`` (with the
+    ``prompt_logprobs`` parameter, in a completion's first delta): one per
+    prompt token from the second, its logprob given the tokens before it.
     """
 
     request_id: str
@@ -164,6 +168,7 @@ class StreamDelta:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     usage: Usage | None = None
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()
 
     @property
     def finished(self) -> bool:
@@ -173,7 +178,7 @@ class StreamDelta:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Completion:
-    """One finished completion (of ``n``)."""
+    """One finished completion (of ``n``); ``prompt_logprobs`` as ``StreamDelta``'s."""
 
     index: int
     text: str
@@ -182,6 +187,7 @@ class Completion:
     finish_reason: str | None
     stop_reason: str | int | None
     usage: Usage
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -299,10 +305,13 @@ def build_tokenize_request(text: str | None, messages: Iterable[Message] | None,
 
 def delta_from_proto(response: pb.GenerateResponse) -> StreamDelta:
     """A ``StreamDelta`` from one ``GenerateResponse``."""
-    logprobs = tuple(TokenLogprobs(lp.logprob, tuple(lp.top_token_ids), tuple(lp.top_logprobs))
-                     for lp in response.logprobs)
+    def convert(entries) -> tuple[TokenLogprobs, ...]:
+        return tuple(TokenLogprobs(lp.logprob, tuple(lp.top_token_ids), tuple(lp.top_logprobs),
+                                   lp.rank) for lp in entries)
+
     delta = StreamDelta(response.request_id, response.index, tuple(response.token_ids),
-                        response.text, logprobs)
+                        response.text, convert(response.logprobs),
+                        prompt_logprobs=convert(response.prompt_logprobs))
     if not response.HasField("finished"):
         return delta
     fin = response.finished
@@ -354,7 +363,8 @@ class ResultBuilder:
                 index=index, text="".join(p.text for p in parts),
                 token_ids=tuple(t for p in parts for t in p.token_ids),
                 logprobs=tuple(lp for p in parts for lp in p.logprobs),
-                finish_reason=last.finish_reason, stop_reason=last.stop_reason, usage=last.usage))
+                finish_reason=last.finish_reason, stop_reason=last.stop_reason, usage=last.usage,
+                prompt_logprobs=tuple(lp for p in parts for lp in p.prompt_logprobs)))
         return GenerateResult(self._request_id, tuple(completions))
 
 

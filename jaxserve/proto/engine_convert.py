@@ -71,20 +71,30 @@ def add_outputs(container, outputs: Iterable[EngineCoreOutput]) -> None:
                 message.new_logprobs.add(logprob=lp.logprob, rank=lp.rank,
                                          top_token_ids=lp.top_token_ids,
                                          top_logprobs=lp.top_logprobs)
+        if output.prompt_logprobs is not None:
+            message.has_prompt_logprobs = True
+            for lp in output.prompt_logprobs:
+                message.prompt_logprobs.add(logprob=lp.logprob, rank=lp.rank,
+                                            top_token_ids=lp.top_token_ids,
+                                            top_logprobs=lp.top_logprobs)
 
 
 def output_from_proto(message: epb.EngineOutput) -> EngineCoreOutput:
     """One output of ``add_outputs``, back."""
-    logprobs = None
+    logprobs = prompt = None
     if message.has_logprobs:
         logprobs = [SampleLogprobs(lp.logprob, lp.rank, tuple(lp.top_token_ids),
                                    tuple(lp.top_logprobs)) for lp in message.new_logprobs]
+    if message.has_prompt_logprobs:
+        prompt = [SampleLogprobs(lp.logprob, lp.rank, tuple(lp.top_token_ids),
+                                 tuple(lp.top_logprobs)) for lp in message.prompt_logprobs]
     return EngineCoreOutput(
         request_id=message.request_id, index=message.index,
         new_token_ids=list(message.new_token_ids), new_logprobs=logprobs,
         finish_reason=finish_reason_from_proto(message.finish_reason),  # type: ignore[arg-type]
         stop_reason=message.stop_reason if message.HasField("stop_reason") else None,
-        num_prompt_tokens=message.num_prompt_tokens, num_cached_tokens=message.num_cached_tokens)
+        num_prompt_tokens=message.num_prompt_tokens, num_cached_tokens=message.num_cached_tokens,
+        prompt_logprobs=prompt)
 
 
 def stats_to_proto(stats: EngineStats, *, serving: bool = True,

@@ -88,7 +88,7 @@ class EngineLogprobs(_message.Message):
     def __init__(self, logprob: _Optional[float] = ..., rank: _Optional[int] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class EngineOutput(_message.Message):
-    __slots__ = ("request_id", "index", "new_token_ids", "new_logprobs", "has_logprobs", "finish_reason", "stop_reason", "num_prompt_tokens", "num_cached_tokens")
+    __slots__ = ("request_id", "index", "new_token_ids", "new_logprobs", "has_logprobs", "finish_reason", "stop_reason", "num_prompt_tokens", "num_cached_tokens", "has_prompt_logprobs", "prompt_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +98,8 @@ class EngineOutput(_message.Message):
     STOP_REASON_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HAS_PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     index: int
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -107,7 +109,9 @@ class EngineOutput(_message.Message):
     stop_reason: int
     num_prompt_tokens: int
     num_cached_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., new_logprobs: _Optional[_Iterable[_Union[EngineLogprobs, _Mapping]]] = ..., has_logprobs: _Optional[bool] = ..., finish_reason: _Optional[_Union[_generate_pb2.FinishReason, str]] = ..., stop_reason: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+    has_prompt_logprobs: bool
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[EngineLogprobs]
+    def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., new_logprobs: _Optional[_Iterable[_Union[EngineLogprobs, _Mapping]]] = ..., has_logprobs: _Optional[bool] = ..., finish_reason: _Optional[_Union[_generate_pb2.FinishReason, str]] = ..., stop_reason: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., has_prompt_logprobs: _Optional[bool] = ..., prompt_logprobs: _Optional[_Iterable[_Union[EngineLogprobs, _Mapping]]] = ...) -> None: ...
 
 class EngineOutputBatch(_message.Message):
     __slots__ = ("outputs", "error", "failed_request_ids")

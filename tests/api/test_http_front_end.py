@@ -201,6 +201,37 @@ def test_logprobs_of_masked_tokens_are_finite_json():
                                              "token_id:9": -9999.0}
 
 
+def test_echoed_prompt_logprobs_and_vllm_prompt_logprobs_shapes():
+    """Echo: the prompt's tokens first, the first one's logprob and top null, offsets from 0;
+    vLLM's ``prompt_logprobs``: null, then {id: {logprob, rank, decoded_token}} (-inf floored)."""
+    import json
+    import math
+
+    from jaxserve.api.openai.serving import OpenAIServing
+    from jaxserve.proto import generate_pb2 as pb
+
+    tokenizer = types.SimpleNamespace(decode=lambda ids: "".join(f"<{i}>" for i in ids))
+    serving = OpenAIServing(types.SimpleNamespace(preparer=types.SimpleNamespace(
+        tokenizer=tokenizer)))
+    response = pb.GenerateResponse(token_ids=[9], prompt_logprobs=[
+        pb.TokenLogprobs(logprob=-1.5, rank=3, top_token_ids=[4, 6], top_logprobs=[-0.5, -1.0]),
+        pb.TokenLogprobs(logprob=-math.inf, rank=7, top_token_ids=[5, 4],
+                         top_logprobs=[-0.25, -2.0])])
+    echo = serving.echo_logprobs([2, 3, 5], response, as_ids=False)
+    assert echo == {"tokens": ["<2>", "<3>", "<5>"], "token_logprobs": [None, -1.5, -9999.0],
+                    "top_logprobs": [None, {"<4>": -0.5, "<6>": -1.0},
+                                     {"<5>": -0.25, "<4>": -2.0}],
+                    "text_offset": [0, 3, 6]}
+    prompt = serving.prompt_logprobs([2, 3, 5], response)
+    json.dumps(prompt, allow_nan=False)
+    assert prompt[0] is None
+    assert prompt[1] == {"4": {"logprob": -0.5, "rank": 1, "decoded_token": "<4>"},
+                         "6": {"logprob": -1.0, "rank": 2, "decoded_token": "<6>"},
+                         "3": {"logprob": -1.5, "rank": 3, "decoded_token": "<3>"}}
+    assert prompt[2]["5"] == {"logprob": -9999.0, "rank": 7, "decoded_token": "<5>"}
+    assert list(prompt[2]) == ["5", "4"]  # the prompt token among the top keeps its place
+
+
 SCHEMA_FORMAT = {"name": "x", "schema": {"type": "object"}}
 
 

@@ -92,6 +92,24 @@ def test_stop_string_cuts_text_ids_and_logprobs_and_asks_for_an_abort(tokenizer,
     assert (r.finished.reason, r.finished.stop_string) == (pb.FINISH_REASON_STOP, stop)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_prompt_logprobs_go_in_each_completions_first_response(tokenizer, stream):
+    prompt_lp = [SampleLogprobs(-1.0, 2, (5,), (-0.5,)), SampleLogprobs(-0.25, 1, (7,), (-0.25,))]
+    params = SamplingParams(n=2, max_tokens=2, prompt_logprobs=1)
+    tracker = RequestTracker("r", tokenizer, [1, 7, 9], params, stream=stream, arrival_time=0.0)
+    outputs = [EngineCoreOutput("r", 0, [11], num_prompt_tokens=3, prompt_logprobs=prompt_lp),
+               EngineCoreOutput("r", 1, [12], num_prompt_tokens=3),
+               EngineCoreOutput("r", 0, [13], finish_reason="length", num_prompt_tokens=3),
+               EngineCoreOutput("r", 1, [14], finish_reason="length", num_prompt_tokens=3)]
+    responses = [r for out in outputs for r in tracker.accept(out)[0]]
+    for index in (0, 1):
+        mine = [r for r in responses if r.index == index]
+        assert [len(r.prompt_logprobs) for r in mine] == [2] + [0] * (len(mine) - 1)
+        first = mine[0].prompt_logprobs
+        assert [(lp.logprob, lp.rank, list(lp.top_token_ids)) for lp in first] == [
+            (-1.0, 2, [5]), (-0.25, 1, [7])]
+
+
 def test_abort_finishes_every_completion(tokenizer):
     ids = tokenizer.encode(TEXT)[:5]
     tracker = RequestTracker("r", tokenizer, [1], SamplingParams(n=2, max_tokens=50),

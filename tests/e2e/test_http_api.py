@@ -9,7 +9,11 @@ that certificate. The official ``openai`` client (sync and async) and raw
 - Completions and chat completions, streamed and not: greedy streamed deltas
   concatenate to the non-streamed text; the tokens (``return_tokens_as_token_ids``)
   equal the gRPC service's on the same server; ``n = 2`` returns two choices;
-  logprobs and usage have the documented shapes. Structured outputs
+  logprobs and usage have the documented shapes. ``echo`` with ``logprobs``
+  returns the prompt tokens' logprobs first (the first null), equal to
+  transformers' ``log_softmax`` on the same prompt, whole and streamed; vLLM's
+  ``prompt_logprobs`` field (completions and chat) and the gRPC service's
+  ``prompt_logprobs`` carry the same values. Structured outputs
   (``response_format`` json_schema / json_object, vLLM's ``structured_outputs``
   choice / regex) follow their constraint.
 - Both transports refuse calls without the key (401 / ``UNAUTHENTICATED``);
@@ -192,6 +196,72 @@ def test_completion_batch_prompts_and_echo(oai):
     assert echoed.choices[0].text == PROMPT + by_index[0]
 
 
+def _hf_prompt_logprobs(model_dir, ids: list[int]):
+    """f32[P - 1, V]: transformers' log_softmax predicting prompt tokens 1 .. P - 1."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        logits = model.eval()(torch.tensor([ids]), use_cache=False).logits[0, :-1]
+    return torch.log_softmax(logits.float(), dim=-1).numpy()
+
+
+def test_echo_logprobs_and_prompt_logprobs_equal_transformers(oai, http, grpc_client,
+                                                              demo_model_dir):
+    whole = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0,
+                                   echo=True, logprobs=2,
+                                   extra_body={"return_tokens_as_token_ids": True})
+    (choice,) = whole.choices
+    lp = choice.logprobs
+    num_prompt = whole.usage.prompt_tokens
+    ids = _token_ids(lp.tokens)
+    assert len(ids) == num_prompt + 4 and choice.text.startswith(PROMPT)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    want = _hf_prompt_logprobs(demo_model_dir, ids[:num_prompt])  # [P - 1, V]
+    for i in range(1, num_prompt):
+        row = want[i - 1]
+        assert abs(lp.token_logprobs[i] - float(row[ids[i]])) < 2e-3, i
+        top = sorted(range(len(row)), key=lambda t: -row[t])[:2]
+        assert list(lp.top_logprobs[i]) == [f"token_id:{t}" for t in top], i
+    # The generated part is the plain completion's.
+    plain = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0)
+    assert choice.text == PROMPT + plain.choices[0].text
+    # Streamed: the first chunk carries the echo and the prompt's logprobs.
+    chunks = [c for c in oai.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, echo=True, logprobs=2,
+        stream=True, extra_body={"return_tokens_as_token_ids": True}) if c.choices]
+    assert "".join(c.choices[0].text for c in chunks) == choice.text
+    assert [t for c in chunks for t in c.choices[0].logprobs.tokens] == lp.tokens
+    streamed = [v for c in chunks for v in c.choices[0].logprobs.token_logprobs]
+    assert streamed[0] is None
+    assert max(abs(a - b) for a, b in zip(streamed[1:], lp.token_logprobs[1:])) < 1e-5
+    # vLLM's prompt_logprobs: [null, {id: {logprob, rank, decoded_token}}, ...]
+    body = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 1,
+                                              "prompt_logprobs": 3}).json()
+    entries = body["choices"][0]["prompt_logprobs"]
+    assert len(entries) == num_prompt and entries[0] is None
+    for i in range(1, num_prompt):
+        mine = entries[i][str(ids[i])]
+        assert abs(mine["logprob"] - lp.token_logprobs[i]) < 1e-5
+        assert mine["rank"] == 1 + int((want[i - 1] > want[i - 1][ids[i]]).sum())
+        assert len(entries[i]) in (3, 4)  # the top 3, and the prompt token unless among them
+        assert {e["rank"] for e in entries[i].values()} >= {1, 2, 3}
+    chat = http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 1,
+                                                   "prompt_logprobs": 0}).json()
+    assert chat["prompt_logprobs"][0] is None
+    assert len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+    assert all(len(e) == 1 for e in chat["prompt_logprobs"][1:])  # N = 0: the token only
+    # The gRPC service: the same values in the completion's first response.
+    via_grpc = grpc_client.generate(PROMPT, max_tokens=1, temperature=0, prompt_logprobs=1)
+    got = via_grpc.completions[0].prompt_logprobs
+    assert len(got) == num_prompt - 1
+    assert max(abs(g.logprob - e) for g, e in zip(got, lp.token_logprobs[1:])) < 1e-5
+    assert [g.top_token_ids[0] for g in got] == [
+        int(next(iter(t)).removeprefix("token_id:")) for t in lp.top_logprobs[1:num_prompt]]
+
+
 def test_structured_outputs_response_format_and_extra_body(oai, grpc_client):
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
                                                "population_millions": {"type": "integer"}},
@@ -261,7 +331,9 @@ BAD_REQUESTS = [
     ("completions", {"prompt": [5, 10 ** 6]}, 400, "prompt"),
     ("completions", {"prompt": ""}, 400, "prompt"),
     ("completions", {"prompt": "x", "stop_token_ids": [-5]}, 400, "stop_token_ids"),
-    ("completions", {"prompt": "x", "echo": True, "logprobs": 1}, 400, "echo"),
+    ("completions", {"prompt": "x", "prompt_logprobs": 1, "stream": True}, 400,
+     "prompt_logprobs"),
+    ("completions", {"prompt": "x", "prompt_logprobs": 21}, 400, "prompt_logprobs"),
     ("completions", {"prompt": "x", "seed": "x"}, 400, "seed"),
     ("completions", {"prompt": "x", "frequency_penalty": 5}, 400, "frequency_penalty"),
     ("completions", {"prompt": "x", "suffix": "y"}, 400, "suffix"),

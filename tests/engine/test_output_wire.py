@@ -14,6 +14,9 @@ OUTPUTS = [
                      None, 1, 0),
     EngineCoreOutput("c", 0, [], None, "abort", None, 4, 4),
     EngineCoreOutput("d", 0, [1], [SampleLogprobs(-1.0, 1, (), ())], None, None, 2, 0),
+    EngineCoreOutput("e", 0, [3], None, None, None, 3, 0,  # prompt logprobs of tokens 1, 2
+                     [SampleLogprobs(-2.0, 5, (1,), (-0.125,)), SampleLogprobs(-0.5, 1, (), ())]),
+    EngineCoreOutput("f", 0, [3], None, None, None, 1, 0, []),  # a one-token prompt's
 ]
 FINISH = {None: pb.FINISH_REASON_UNSPECIFIED, "stop": pb.FINISH_REASON_STOP,
           "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
@@ -25,12 +28,16 @@ def _full_message(o: EngineCoreOutput) -> epb.EngineOutput:
                          finish_reason=FINISH[o.finish_reason],
                          num_prompt_tokens=o.num_prompt_tokens,
                          num_cached_tokens=o.num_cached_tokens,
-                         has_logprobs=o.new_logprobs is not None)
+                         has_logprobs=o.new_logprobs is not None,
+                         has_prompt_logprobs=o.prompt_logprobs is not None)
     if o.stop_reason is not None:
         m.stop_reason = o.stop_reason
     for lp in o.new_logprobs or ():
         m.new_logprobs.add(logprob=lp.logprob, rank=lp.rank, top_token_ids=lp.top_token_ids,
                            top_logprobs=lp.top_logprobs)
+    for lp in o.prompt_logprobs or ():
+        m.prompt_logprobs.add(logprob=lp.logprob, rank=lp.rank, top_token_ids=lp.top_token_ids,
+                              top_logprobs=lp.top_logprobs)
     return m
 
 

@@ -5,7 +5,8 @@ Chat Completions) and vLLM's extensions to it (``top_k``, ``min_p``,
 ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
 ``include_stop_str_in_output``, ``skip_special_tokens``,
 ``spaces_between_special_tokens``, ``add_generation_prompt``, ``cache_salt``,
-``request_id``, ``return_tokens_as_token_ids``, ``structured_outputs``), so
+``request_id``, ``return_tokens_as_token_ids``, ``structured_outputs``,
+``prompt_logprobs``), so
 requests written for vLLM's server work unchanged. Structured outputs come
 as OpenAI's ``response_format`` (``text``, ``json_object``, ``json_schema``)
 or vLLM's ``structured_outputs`` object (``json``, ``json_object``,
@@ -118,6 +119,7 @@ class SamplingFields(_Body):
     cache_salt: str | None = None
     request_id: str | None = None
     return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:<id>"
+    prompt_logprobs: int | None = None  # N: each prompt token's logprob and the top N
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -129,7 +131,9 @@ class CompletionRequest(SamplingFields):
     ``prompt``: a string, a list of token ids, or a batch of either (each
     prompt gets ``n`` choices, indexed ``prompt_index * n + j``).
     ``logprobs``: the number of top logprobs per token (0 = only the sampled
-    token's). ``echo`` prepends the prompt's text.
+    token's). ``echo`` prepends the prompt's text; with ``logprobs`` the
+    prompt's tokens come first in the logprobs too (the first one's null), as
+    OpenAI's legacy completions.
     """
 
     prompt: str | list[int] | list[str] | list[list[int]]

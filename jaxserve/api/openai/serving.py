@@ -14,9 +14,15 @@ preparer's field names (``sampling_params.top_p``, ``text``,
 ``messages``).
 
 Response shapes follow the OpenAI API reference; ``stop_reason`` (the stop
-string or stop token id that ended a choice, else null) and
+string or stop token id that ended a choice, else null),
 ``prompt_tokens_details.cached_tokens`` (prompt tokens served from the prefix
-cache) are as in vLLM's server.
+cache) and ``prompt_logprobs`` are as in vLLM's server. ``prompt_logprobs``
+(vLLM's extra request field, N) adds, to each completions choice or to a chat
+response, ``[null, {"<token id>": {"logprob", "rank", "decoded_token"}},
+...]``: per prompt token its logprob given the tokens before it and the top
+N; as vLLM, not with ``stream``. ``echo`` with ``logprobs`` computes the
+prompt's logprobs (N = ``logprobs``) and puts them before the generated
+tokens' in the choice's ``logprobs``, streamed too.
 """
 
 from __future__ import annotations
@@ -82,7 +88,7 @@ class OpenAIServing:
 
     # ------------------------------------------------------------- requests
     def _params(self, body: SamplingFields, *, max_tokens: int | None, max_tokens_param: str,
-                logprobs: int | None, logprobs_param: str):
+                logprobs: int | None, logprobs_param: str, prompt_logprobs: int | None = None):
         """Validated ``SamplingParams`` from the body's explicit fields."""
         for name, allowed in UNSUPPORTED_FIELDS.items():
             if name in type(body).model_fields and getattr(body, name) not in allowed:
@@ -95,6 +101,10 @@ class OpenAIServing:
             kwargs["max_tokens"] = max_tokens
         if logprobs is not None:
             kwargs["logprobs"] = logprobs
+        if body.prompt_logprobs is not None and body.stream:
+            raise bad_request(self.runner, "prompt_logprobs", "not available with stream: true")
+        if prompt_logprobs is not None:
+            kwargs["prompt_logprobs"] = prompt_logprobs
         if body.logit_bias is not None:
             bias = {}
             for key, value in body.logit_bias.items():
@@ -223,7 +233,7 @@ class OpenAIServing:
             if not field.startswith("sampling_params.structured_outputs"):
                 raise
             fmt = body.response_format
-            param = ("response_format" if fmt is not None and fmt.get("type") != "text"
+            param = ("response_format" if fmt is not None and fmt.type != "text"
                      else field.removeprefix("sampling_params."))
             raise ApiError(err.code, param + err.message[len(field):], param) from None
         except BaseException:
@@ -247,11 +257,12 @@ class OpenAIServing:
         self._admissible(body)
         if body.best_of is not None and body.best_of != (body.n or 1):
             raise bad_request(self.runner, "best_of", "only best_of == n is supported")
-        if body.echo and body.logprobs is not None:
-            raise bad_request(self.runner, "echo", "echo with logprobs needs prompt logprobs, "
-                                                   "which this server does not support")
+        prompt_logprobs = body.prompt_logprobs
+        if prompt_logprobs is None and body.echo:  # the echoed tokens' logprobs (vLLM's rule)
+            prompt_logprobs = body.logprobs
         params = self._params(body, max_tokens=body.max_tokens, max_tokens_param="max_tokens",
-                              logprobs=body.logprobs, logprobs_param="logprobs")
+                              logprobs=body.logprobs, logprobs_param="logprobs",
+                              prompt_logprobs=prompt_logprobs)
         prompts = self.completion_prompts(body)
         prepared = [self._prepare_tokens(ids, params, "prompt" if len(prompts) == 1
                                          else f"prompt[{i}]", {"max_tokens": "max_tokens"})
@@ -276,7 +287,8 @@ class OpenAIServing:
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = self._params(body, max_tokens=body.max_completion_tokens or body.max_tokens,
                               max_tokens_param=max_param, logprobs=logprobs,
-                              logprobs_param="top_logprobs")
+                              logprobs_param="top_logprobs",
+                              prompt_logprobs=body.prompt_logprobs)
         prepared = [self._prepare_tokens(self.chat_prompt(body), params, "messages",
                                          {"max_tokens": max_param})]
         return await self._run("chat.completion", "chatcmpl", prepared, body, None)
@@ -305,6 +317,42 @@ class OpenAIServing:
                                   zip(lp.top_token_ids, lp.top_logprobs)}
                                  for lp in response.logprobs],
                 "text_offset": text_offset}
+
+    def echo_logprobs(self, prompt_ids: Sequence[int], response: pb.GenerateResponse,
+                      as_ids: bool) -> dict[str, Any]:
+        """The Completions ``logprobs`` of an echoed prompt.
+
+        ``response.prompt_logprobs`` holds one entry per prompt token after
+        the first, whose ``token_logprobs`` and ``top_logprobs`` are null.
+        Text offsets count the tokens' decoded text from 0 (with ``as_ids``
+        too), so they lead up to the generated tokens' at the echo's end.
+        """
+        tokens = [self.token_text(t, as_ids) for t in prompt_ids]
+        text_offset, offset = [], 0
+        for token_id in prompt_ids:
+            text_offset.append(offset)
+            offset += len(self._token_text(token_id))
+        scored = response.prompt_logprobs
+        return {"tokens": tokens,
+                "token_logprobs": [None] + [finite_logprob(lp.logprob) for lp in scored],
+                "top_logprobs": [None] + [{self.token_text(t, as_ids): finite_logprob(v)
+                                           for t, v in zip(lp.top_token_ids, lp.top_logprobs)}
+                                          for lp in scored],
+                "text_offset": text_offset}
+
+    def prompt_logprobs(self, prompt_ids: Sequence[int],
+                        response: pb.GenerateResponse) -> list[dict[str, Any] | None]:
+        """vLLM's ``prompt_logprobs``: null, then per prompt token {id: {"logprob", "rank",
+        "decoded_token"}} holding that token and the top N (ranks 1..N)."""
+        out: list[dict[str, Any] | None] = [None]
+        for token_id, lp in zip(prompt_ids[1:], response.prompt_logprobs):
+            entry = {str(t): {"logprob": finite_logprob(v), "rank": i + 1,
+                              "decoded_token": self._token_text(t)}
+                     for i, (t, v) in enumerate(zip(lp.top_token_ids, lp.top_logprobs))}
+            entry[str(token_id)] = {"logprob": finite_logprob(lp.logprob), "rank": lp.rank,
+                                    "decoded_token": self._token_text(token_id)}
+            out.append(entry)
+        return out
 
     def chat_logprobs(self, response: pb.GenerateResponse, as_ids: bool) -> dict[str, Any]:
         """The Chat Completions ``logprobs`` object of one response's tokens."""
@@ -347,6 +395,8 @@ class OpenAIResult:
         self.running = running
         self.n = prepared[0].params.n
         self.want_logprobs = prepared[0].params.logprobs is not None
+        self.want_prompt_logprobs = prepared[0].params.prompt_logprobs is not None
+        self._prompt_ids = [p.prompt_token_ids for p in prepared]
         self.echo = echo
         self.include_usage = include_usage
         self.as_ids = as_ids
@@ -426,26 +476,45 @@ class OpenAIResult:
           ApiError: the engine failed (``UNAVAILABLE``).
         """
         choices: dict[int, dict[str, Any]] = {}
+        prompt_logprobs = None  # chat: the response's, from choice 0
         async for index, response in self._responses():
             self._account(index, response)
             reason, stop_reason = self._finish(response)
             text = response.text
+            prompt_ids = self._prompt_ids[index // self.n]
             if self.kind == "text_completion":
                 echo = self.echo[index // self.n] if self.echo else ""
                 choice = {"index": index, "text": echo + text, "logprobs": None,
                           "finish_reason": reason, "stop_reason": stop_reason}
                 if self.want_logprobs:
-                    choice["logprobs"] = self.serving.completion_logprobs(response, len(echo),
-                                                                         self.as_ids)
+                    choice["logprobs"] = self._with_echo(
+                        prompt_ids, response,
+                        self.serving.completion_logprobs(response, len(echo), self.as_ids))
+                if self.want_prompt_logprobs:
+                    choice["prompt_logprobs"] = self.serving.prompt_logprobs(prompt_ids, response)
             else:
                 choice = {"index": index, "message": {"role": "assistant", "content": text},
                           "logprobs": None, "finish_reason": reason,
                           "stop_reason": stop_reason}
                 if self.want_logprobs:
                     choice["logprobs"] = self.serving.chat_logprobs(response, self.as_ids)
+                if self.want_prompt_logprobs and index == 0:
+                    prompt_logprobs = self.serving.prompt_logprobs(prompt_ids, response)
             choices[index] = choice
-        return {"id": self.id, "object": self.kind, "created": self.created, "model": self.model,
+        body = {"id": self.id, "object": self.kind, "created": self.created, "model": self.model,
                 "choices": [choices[i] for i in sorted(choices)], "usage": self.usage()}
+        if self.kind == "chat.completion" and self.want_prompt_logprobs:
+            body["prompt_logprobs"] = prompt_logprobs
+        return body
+
+    def _with_echo(self, prompt_ids: Sequence[int], response: pb.GenerateResponse,
+                   logprobs: dict[str, Any]) -> dict[str, Any]:
+        """A choice's completions ``logprobs`` with the echoed prompt's first (in the
+        response carrying the prompt logprobs: the choice's first), else as they are."""
+        if not self.echo or not (response.prompt_logprobs or len(prompt_ids) == 1):
+            return logprobs
+        prompt = self.serving.echo_logprobs(prompt_ids, response, self.as_ids)
+        return {key: prompt[key] + logprobs[key] for key in logprobs}
 
     # ------------------------------------------------------------- stream
     async def events(self) -> AsyncIterator[str]:
@@ -476,6 +545,9 @@ class OpenAIResult:
                         choice["logprobs"] = self.serving.completion_logprobs(
                             response, offsets[index] + len(text) - len(response.text),
                             self.as_ids)
+                        if first:
+                            choice["logprobs"] = self._with_echo(
+                                self._prompt_ids[index // self.n], response, choice["logprobs"])
                     offsets[index] += len(text)
                 else:
                     if first:
