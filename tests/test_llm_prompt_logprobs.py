@@ -9,7 +9,8 @@ several chunked-prefill steps; in the batch only some requests ask. A
 request asking for prompt logprobs takes no prefix-cache hit (its cached
 prefix would have no logits). The strict recompile guard is on: the
 prompt-logprob executables were compiled at start-up (in the background),
-never in a step. Both workers serve it: in-process and the gRPC worker
+never in a step, and a step without prompt-logprob rows does not run them.
+Both workers serve it: in-process and the gRPC worker
 process (the results cross ``plan_codec``). Prompts are token ids (V = 256;
 the demo tokenizer only decodes).
 """
@@ -86,6 +87,7 @@ def test_prompt_logprobs_equal_transformers_over_chunked_prefill(tiny, llm):
             assert out.prompt_logprobs is None
         else:
             _check(model, prompt, out.prompt_logprobs, n)
+    assert llm.engine.stats().num_recompiles == 0
 
 
 def test_a_cached_prefix_is_recomputed_for_prompt_logprobs(tiny, llm):
@@ -109,3 +111,30 @@ def test_n_samples_share_one_set_of_prompt_logprobs(tiny, llm):
     out = llm.generate({"prompt_token_ids": prompts[1]}, params, use_tqdm=False)[0]
     assert len(out.outputs) == 2
     _check(model, prompts[1], out.prompt_logprobs, 1)
+
+
+def test_only_steps_with_prompt_logprob_rows_run_the_prompt_logprobs_executable(
+        tiny, demo_model_dir, monkeypatch):
+    _, _, prompts = tiny
+    with _llm(tiny, demo_model_dir, "in_process") as llm:
+        worker = llm.engine.worker
+        calls = []
+        real_call = worker._call
+
+        def spy(name, jitted, *args):
+            calls.append(name)
+            return real_call(name, jitted, *args)
+
+        monkeypatch.setattr(worker, "_call", spy)
+        plain = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        llm.generate([{"prompt_token_ids": p} for p in prompts], plain, use_tqdm=False)
+        assert calls and not any(c.startswith("prompt_logprobs[") for c in calls)
+        calls.clear()
+        asked = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True,
+                               prompt_logprobs=1)
+        llm.generate({"prompt_token_ids": prompts[0]}, asked, use_tqdm=False)
+        bodies = [c for c in calls if c.startswith("body[")]
+        scored = [c for c in calls if c.startswith("prompt_logprobs[")]
+        # 45 prompt tokens at 16 per step: 3 prefill steps score, the 3 decodes do not
+        assert len(scored) == 3 and len(bodies) == 3 + 3
+        assert llm.engine.stats().num_recompiles == 0
