@@ -11,7 +11,8 @@ device mesh: the model and the KV cache split over it, everything else
 replicated (``jaxserve.model.sharding``) — then compiles the bodies (``executables`` +
 ``compile_manager``; or loads them from the persistent compilation cache),
 arms the recompile guard and starts the background compile of the other
-sampler variants (docs/worker.md, *Order of a start*).
+sampler variants and of the prompt-logprob executables (docs/worker.md,
+*Order of a start*).
 
 In a multi-host worker (``jaxserve.worker.server --num-hosts``) the mesh spans
 every host's devices; each process places only its own shards of host data
@@ -79,8 +80,9 @@ from jaxserve.worker.compile_manager import (RecompileGuard, StepFunction, compi
                                              configure_persistent_cache, program_store)
 from jaxserve.worker.executables import (LadderShapes, body_executable, ladder_executables,
                                          lower_body,
-                                         lower_sampler, prompt_logprobs_name, sampler_name,
-                                         split_for_startup, variant_name)
+                                         lower_sampler, prompt_logprobs_executable,
+                                         prompt_logprobs_name, sampler_name, split_for_startup,
+                                         variant_name)
 from jaxserve.worker.inputs import StepLayout, pack, prompt_logprob_targets, query_input_ids
 from jaxserve.worker.kv_sizing import device_memory, num_kv_blocks, peak_activation_bytes
 from jaxserve.worker.rows import RowState
@@ -267,6 +269,10 @@ class InProcessWorker:
             sizing = [dataclasses.replace(
                 body_executable(shapes(sizing_kv), max(init.token_buckets)), kind="sizing",
                 name=_SIZING_BODY)] if automatic else []
+            if automatic:  # the largest prompt-logprob step's temporaries are sized for too
+                top = prompt_logprobs_name(max(init.token_buckets))
+                sizing += [e for e in later if e.name == top]
+                later = [e for e in later if e.name != top]
             first = compile_all([e for e in now if e.kind != "body"] + sizing,
                                 progress=self._progress, store=store,
                                 desc="compiling samplers and row writes")
@@ -316,18 +322,22 @@ class InProcessWorker:
                                stacked=self.init.scan_layers, mesh=self.mesh)
 
     def _activation_bytes(self, shapes: LadderShapes, compiled) -> int:
-        """Peak temporaries of the largest-T body and the largest-R FULL sampler.
+        """Peak temporaries of the largest-T body, its prompt logprobs, and the largest-R
+        FULL sampler (a step with prompt-logprob rows holds all three at once).
 
-        ``compiled``: the start-up's first ``CompileReport`` (it holds both);
-        None (``precompile`` off): both compiled here.
+        ``compiled``: the start-up's first ``CompileReport`` (it holds them);
+        None (``precompile`` off): compiled here.
         """
         init = self.init
+        t = max(init.token_buckets)
         if compiled is None:
             return peak_activation_bytes([
-                lower_body(shapes, max(init.token_buckets)).compile(),
+                lower_body(shapes, t).compile(),
+                prompt_logprobs_executable(shapes, t).lower().compile(),
                 lower_sampler(shapes, max(init.request_buckets)).compile()])
         sampler = sampler_name(max(init.request_buckets), FULL)
         return peak_activation_bytes([compiled.functions[_SIZING_BODY].compiled,
+                                      compiled.functions[prompt_logprobs_name(t)].compiled,
                                       compiled.functions[sampler].compiled])
 
     def shutdown(self) -> None:

@@ -17,7 +17,8 @@ import pytest
 from jaxserve.model.loader import load_model
 from jaxserve.step_plan import WorkerInit
 from jaxserve.worker import InProcessWorker, in_process
-from jaxserve.worker.executables import LadderShapes, lower_body, lower_sampler
+from jaxserve.worker.executables import (LadderShapes, lower_body, lower_sampler,
+                                         prompt_logprobs_executable)
 from jaxserve.worker.kv_sizing import (DEFAULT_CPU_KV_CACHE_BYTES, DeviceMemory,
                                        HEADROOM_FRACTION, blocks_from_free_memory,
                                        num_kv_blocks, peak_activation_bytes)
@@ -88,15 +89,18 @@ def test_worker_sizes_its_cache_from_reported_device_memory(tiny, monkeypatch, p
     hidden = jax.ShapeDtypeStruct((4, config.hidden_size), jnp.float32)
     shapes = LadderShapes(worker.graphdef, worker.state, kv, worker.rows, hidden, worker.backend)
     activations = peak_activation_bytes([lower_body(shapes, 32).compile(),
+                                         prompt_logprobs_executable(shapes, 32).lower().compile(),
                                          lower_sampler(shapes, 4).compile()])
     assert activations > 0
     budget = int(256 * MiB * 0.5)
     want = (budget - 40 * MiB - activations - int(budget * HEADROOM_FRACTION)) // per_block
     assert geometry.num_kv_blocks == want
     assert worker.kv_cache.num_blocks == want
-    if precompile:  # the sizing body is the one extra compile; the ladder's sampler is reused
+    if precompile:  # the sizing body is the one extra compile; the ladder's sampler and
+        # its largest prompt-logprob executable (moved before ready) are reused
         report = worker.compile_report
-        assert report.by_kind == {"sizing": 1, "body": 3, "sampler": 2 * 2, "rows": 2 + 1}
+        assert report.by_kind == {"sizing": 1, "body": 3, "sampler": 2 * 2, "rows": 2 + 1,
+                                  "prompt_logprobs": 1}
         assert report.num_backend_compiles == report.num_executables
 
 
