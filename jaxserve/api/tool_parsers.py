@@ -30,6 +30,7 @@ stays content, verbatim.
 from __future__ import annotations
 
 import abc
+import argparse
 import dataclasses
 import json
 import uuid
@@ -307,6 +308,29 @@ def tool_parser(name: str) -> ToolParser:
     if name not in PARSERS:
         raise ValueError(f"unknown tool call parser {name!r}; known: {', '.join(sorted(PARSERS))}")
     return PARSERS[name]()
+
+
+def add_tool_arguments(parser: argparse.ArgumentParser) -> None:
+    """vLLM's flags for ``tool_choice="auto"``: ``--enable-auto-tool-choice``, ``--tool-call-parser``."""
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='serve tool_choice "auto" (the default when a chat request '
+                             'has tools): replies are parsed for tool calls with '
+                             '--tool-call-parser (default: such requests are refused)')
+    parser.add_argument("--tool-call-parser", choices=sorted(PARSERS), default=None,
+                        help="how the model writes tool calls, for "
+                             "--enable-auto-tool-choice: hermes (Hermes, Qwen), "
+                             "llama3_json (Llama 3.x), mistral")
+
+
+def check_tool_arguments(args: argparse.Namespace) -> None:
+    """``--enable-auto-tool-choice`` needs ``--tool-call-parser``.
+
+    Raises:
+      ValueError: it is missing.
+    """
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser "
+                         f"({', '.join(sorted(PARSERS))})")
 
 
 class ToolCallStream:
