@@ -5,6 +5,7 @@ reflection) and the OpenAI-compatible HTTP API — over one ``RequestRunner``.
         [--engine-address 127.0.0.1:50062 ...]    # one per data-parallel replica
         [--host 0.0.0.0] [--port 50051] [--http-port 8000] [--metrics-port 9090] \\
         [--ssl-certfile CERT --ssl-keyfile KEY]    # API key: $JAXSERVE_API_KEY
+        [--enable-auto-tool-choice --tool-call-parser hermes]    # chat tool_choice "auto"
 
 Started by ``jaxserve serve`` (``jaxserve.launcher``). Start-up: bind the
 ports at once (health NOT_SERVING, HTTP 503), load the tokenizer and the

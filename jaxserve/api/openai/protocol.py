@@ -9,7 +9,12 @@ Chat Completions) and vLLM's extensions to it (``top_k``, ``min_p``,
 requests written for vLLM's server work unchanged. Structured outputs come
 as OpenAI's ``response_format`` (``text``, ``json_object``, ``json_schema``)
 or vLLM's ``structured_outputs`` object (``json``, ``json_object``,
-``regex``, ``choice``, ``grammar``), on both endpoints.
+``regex``, ``choice``, ``grammar``), on both endpoints. Chat takes OpenAI's
+``tools`` / ``tool_choice`` / ``parallel_tool_calls`` (checked here: strict
+types, distinct names, a ``tool_choice`` other than ``"none"`` needs tools
+and may only name one of them; what each choice does is
+``jaxserve.api.tool_calling``) and messages with ``tool_calls`` /
+``tool_call_id``.
 
 A field the request does not set stays ``None`` and takes the server's
 default (the model's generation config, else ``SamplingParams``' default).

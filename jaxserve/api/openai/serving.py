@@ -13,6 +13,12 @@ preparer's field names (``sampling_params.top_p``, ``text``,
 ``chat.messages``) are mapped to the request's own (``top_p``, ``prompt``,
 ``messages``).
 
+Chat requests with ``tools`` get a ``ToolCallPlan`` (``jaxserve.api.tool_calling``):
+its JSON schema becomes the request's structured outputs (``required``, a
+named function), and its parser turns each choice's text into
+``message.tool_calls`` — or, streamed, ``delta.tool_calls`` through a
+``ToolCallStream`` per choice — with finish reason ``tool_calls``.
+
 Response shapes follow the OpenAI API reference; ``stop_reason`` (the stop
 string or stop token id that ended a choice, else null) and
 ``prompt_tokens_details.cached_tokens`` (prompt tokens served from the prefix
