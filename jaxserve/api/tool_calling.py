@@ -81,7 +81,7 @@ class ToolCallPlan:
         return self.mode != "none"
 
     def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """(content, calls) of a whole reply (``ToolParser.extract``; named: one call, no content)."""
+        """(content, calls) of a whole reply: ``ToolParser.extract``'s; named: one call."""
         if self.mode == "named":
             return None, [ToolCall(self.name, text)]
         if self.parser is None:

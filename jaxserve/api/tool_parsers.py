@@ -311,7 +311,8 @@ def tool_parser(name: str) -> ToolParser:
 
 
 def add_tool_arguments(parser: argparse.ArgumentParser) -> None:
-    """vLLM's flags for ``tool_choice="auto"``: ``--enable-auto-tool-choice``, ``--tool-call-parser``."""
+    """vLLM's flags for ``tool_choice="auto"``: ``--enable-auto-tool-choice`` and
+    ``--tool-call-parser``."""
     parser.add_argument("--enable-auto-tool-choice", action="store_true",
                         help='serve tool_choice "auto" (the default when a chat request '
                              'has tools): replies are parsed for tool calls with '
@@ -378,7 +379,7 @@ class ToolCallStream:
                     self._partial = len(segment)
                 continue
             after = None if last else segments[i + 1]
-            # extract's rule: blank text before a call, or after the calls with no content, is dropped
+            # extract's rule: blank text before a call, or after calls and no content, is dropped
             if segment.strip() or not (isinstance(after, ToolCall)
                                        or (last and self.called and not self._sent_content)):
                 self._send(segment[self._partial:], deltas)

@@ -296,6 +296,11 @@ def test_tool_results_go_back_into_the_chat(oai, grpc_client):
     assert choice.message.content and choice.message.tool_calls is None
     assert choice.finish_reason in ("stop", "length")
     assert reply.usage.prompt_tokens > first.usage.prompt_tokens
+    # gRPC: the same chat and tools render the same prompt (greedy: the same reply)
+    as_dicts = [*TOOL_CHAT, message.model_dump(include={"role", "content", "tool_calls"}),
+                *messages[len(TOOL_CHAT) + 1:]]
+    via_grpc = grpc_client.chat(as_dicts, tools=TOOLS, max_tokens=16, temperature=0)
+    assert via_grpc.text == choice.message.content
 
 
 def test_auto_tool_choice_without_a_call_is_content(oai):
