@@ -68,7 +68,7 @@ Segment = str | ToolCall
 def call_from_json(value: Any) -> ToolCall | None:
     """A ``ToolCall`` from a decoded ``{"name", "arguments" | "parameters"}`` object, else None.
 
-    ``arguments`` may be an object (re-serialized as compact JSON text) or JSON
+    ``arguments`` may be an object (re-serialized by ``json.dumps``, non-ASCII kept) or JSON
     text of an object (kept as sent); left out it is ``{}``. Anything else
     (no string ``name``, other keys, arguments that are not an object) is not
     a call.
