@@ -68,12 +68,15 @@ class ToolCallPlan:
       parser: reads calls out of the output (auto: the server's; required:
         ``JsonArrayToolParser``), else None.
       name: the function a named ``tool_choice`` calls.
+      max_calls: 1 for ``parallel_tool_calls: false`` (later calls are dropped,
+        as vLLM does), else None.
     """
 
     mode: str
     schema: dict[str, Any] | None = None
     parser: ToolParser | None = None
     name: str | None = None
+    max_calls: int | None = None
 
     @property
     def parses(self) -> bool:
@@ -86,13 +89,15 @@ class ToolCallPlan:
             return None, [ToolCall(self.name, text)]
         if self.parser is None:
             return text, []
-        return self.parser.extract(text)
+        content, calls = self.parser.extract(text)
+        return content, calls[:self.max_calls]
 
     def stream(self) -> ToolCallStream | NamedToolCallStream | None:
         """A fresh delta builder for one streamed choice, or None (mode ``none``)."""
         if self.mode == "named":
             return NamedToolCallStream(self.name)
-        return ToolCallStream(self.parser) if self.parser is not None else None
+        return (ToolCallStream(self.parser, max_calls=self.max_calls)
+                if self.parser is not None else None)
 
 
 NO_TOOLS = ToolCallPlan("none")
@@ -108,7 +113,8 @@ def plan_tool_calls(functions: Mapping[str, Mapping[str, Any] | None], tool_choi
         given as ``{"name": ...}``, or None (``"auto"`` with tools, else ``"none"``).
       auto_parser: the server's ``--tool-call-parser`` when
         ``--enable-auto-tool-choice`` is on, else None.
-      parallel: ``parallel_tool_calls`` (false: ``required`` allows one call).
+      parallel: ``parallel_tool_calls`` (false: ``required``'s schema allows one
+        call; ``auto`` returns the first call only).
 
     Raises:
       ToolChoiceError: ``auto`` (asked or by default) without ``auto_parser``.
@@ -120,9 +126,9 @@ def plan_tool_calls(functions: Mapping[str, Mapping[str, Any] | None], tool_choi
     if tool_choice == "auto":
         if auto_parser is None:
             raise ToolChoiceError(AUTO_NEEDS_FLAGS)
-        return ToolCallPlan("auto", parser=auto_parser)
+        return ToolCallPlan("auto", parser=auto_parser, max_calls=None if parallel else 1)
     if tool_choice == "required":
         return ToolCallPlan("required", schema=required_schema(functions, parallel=parallel),
-                            parser=JsonArrayToolParser())
+                            parser=JsonArrayToolParser(), max_calls=None if parallel else 1)
     name = tool_choice["name"]
     return ToolCallPlan("named", schema=dict(functions[name] or NO_PARAMETERS), name=name)

@@ -346,10 +346,13 @@ class ToolCallStream:
 
     Args:
       parser: how calls are written.
+      max_calls: calls past this many are not sent (``parallel_tool_calls:
+        false``); None = all.
     """
 
-    def __init__(self, parser: ToolParser) -> None:
+    def __init__(self, parser: ToolParser, max_calls: int | None = None) -> None:
         self.parser = parser
+        self.max_calls = max_calls
         self.text = ""
         self.num_calls = 0
         self._done = 0  # segments sent whole
@@ -394,6 +397,8 @@ class ToolCallStream:
     def _call_deltas(self, call: ToolCall) -> list[dict[str, Any]]:
         index = self.num_calls
         self.num_calls += 1
+        if self.max_calls is not None and index >= self.max_calls:
+            return []
         return [{"tool_calls": [{"index": index, "id": new_tool_call_id(), "type": "function",
                                  "function": {"name": call.name, "arguments": ""}}]},
                 {"tool_calls": [{"index": index, "function": {"arguments": call.arguments}}]}]

@@ -70,6 +70,15 @@ def test_required_is_an_array_of_calls_each_following_its_functions_schema():
         ToolCall("get_weather", '{"city": "Oslo", "unit": "celsius"}'), ToolCall("get_time", "{}")]
 
 
+def test_auto_without_parallel_tool_calls_keeps_the_first_call():
+    plan = plan_tool_calls(FUNCTIONS, "auto", auto_parser=HermesToolParser(), parallel=False)
+    two = ('<tool_call>{"name": "get_time", "arguments": {}}</tool_call>\n'
+           '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>')
+    assert plan.extract(two) == (None, [ToolCall("get_time", "{}")])
+    deltas = plan.stream().push(two, final=True)
+    assert [d["tool_calls"][0]["index"] for d in deltas] == [0, 0]
+
+
 def test_named_is_the_functions_arguments():
     plan = plan_tool_calls(FUNCTIONS, {"name": "get_weather"}, auto_parser=None)
     assert plan.mode == "named" and plan.schema == WEATHER and plan.parser is None

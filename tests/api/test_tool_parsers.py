@@ -161,6 +161,14 @@ def test_blank_text_between_calls_is_not_content():
     assert ToolCallStream(HermesToolParser()).push("\n", final=True) == [{"content": "\n"}]
 
 
+@pytest.mark.parametrize("cls,text", [c[:2] for c in CASES if len(c[3]) > 1])
+def test_max_calls_drops_later_calls_whole_and_streamed(cls, text):
+    """parallel_tool_calls false: the first call only, in deltas as in the whole parse."""
+    content, calls = _expected(cls, text)
+    for pieces in ([text], list(text)):
+        assert _replay(ToolCallStream(cls(), max_calls=1), pieces) == (content, calls[:1])
+
+
 def test_named_tool_choice_streams_the_arguments_as_they_come():
     stream = NamedToolCallStream("get_weather")
     first = stream.push('{"city"')
