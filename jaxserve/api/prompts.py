@@ -185,15 +185,15 @@ class RequestPreparer:
             objects, or a chat the template refuses (its error message).
         """
         validate_chat(chat.messages, field=field)
+        messages = template_messages(_chat_messages(chat), field=field,
+                                     arguments_path=arguments_path)
+        tools = template_tools(chat.tools, field=tools_field) or None
         if not getattr(self.tokenizer, "chat_template", None):
             raise InvalidArgument(field, "this model has no chat template (its "
                                          "tokenizer_config.json sets none); send a text prompt "
                                          "instead (completions)")
         add_generation_prompt = (chat.add_generation_prompt
                                  if chat.HasField("add_generation_prompt") else True)
-        messages = template_messages(_chat_messages(chat), field=field,
-                                     arguments_path=arguments_path)
-        tools = template_tools(chat.tools, field=tools_field) or None
         try:
             return self.tokenizer.apply_chat_template(
                 messages, tools=tools, tokenize=False,

@@ -263,20 +263,28 @@ def test_malformed_tools_are_400s_naming_the_field(client, extra, param, words):
 
 
 @pytest.mark.parametrize("message,param", [
-    ({"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
-      "function": {"name": "f", "arguments": "{\"a\": "}}]},
-     "messages[0].tool_calls[0].function.arguments"),
-    ({"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
-      "function": {"name": "f", "arguments": "[1]"}}]},
-     "messages[0].tool_calls[0].function.arguments"),
     ({"role": "assistant", "tool_calls": [{"id": "c1", "function": {"name": "f"}}]},
-     "messages[0].tool_calls[0].function.arguments"),
-    ({"role": "tool", "content": "sunny", "tool_call_id": 7}, "messages[0].tool_call_id"),
+     "messages[1].tool_calls[0].function.arguments"),
+    ({"role": "assistant", "tool_calls": [{"id": "c1", "type": "call",
+                                           "function": {"name": "f", "arguments": "{}"}}]},
+     "messages[1].tool_calls[0].type"),
+    ({"role": "tool", "content": "sunny", "tool_call_id": 7}, "messages[1].tool_call_id"),
 ])
 def test_malformed_tool_messages_are_400s_naming_the_field(client, message, param):
-    reply = client.post("/v1/chat/completions", json={"messages": [message]}, headers=AUTH)
+    reply = client.post("/v1/chat/completions", json={"messages": [*CHAT, message]},
+                        headers=AUTH)
     error = _error(reply, 400)
     assert error["param"] == param and error["message"].startswith(param + ": "), error
+
+
+@pytest.mark.parametrize("arguments", ['{"a": ', "[1]", "7"])
+def test_call_arguments_that_are_not_a_json_object_are_400s(served, arguments):
+    """Checked where the chat is rendered (before the model's template is needed)."""
+    message = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}]}
+    error = _error(served.post("/v1/chat/completions", json={"messages": [*CHAT, message]}), 400)
+    param = "messages[1].tool_calls[0].function.arguments"
+    assert error["param"] == param and "JSON text of an object" in error["message"], error
 
 
 @pytest.mark.parametrize("extra", [{"tools": [WEATHER]}, {"tools": [WEATHER],

@@ -26,7 +26,6 @@ this server cannot honour when set to anything but their no-op value
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from typing import Annotated, Any, Literal
 
@@ -147,24 +146,12 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
 
 
-def _json_object_text(value: str) -> str:
-    """``value`` must be JSON text of an object (a tool call's ``arguments``)."""
-    try:
-        decoded = json.loads(value)
-    except ValueError as err:
-        raise ValueError(f"must be JSON text of an object: {err}") from None
-    if not isinstance(decoded, dict):
-        raise ValueError(f"must be JSON text of an object, got {value!r:.80}")
-    return value
-
-
 class ToolCallFunction(_Body):
-    """``tool_calls[].function`` of an assistant message: ``arguments`` is JSON text."""
+    """``tool_calls[].function`` of an assistant message: ``arguments`` is JSON text of an
+    object (checked where the chat is rendered, ``jaxserve.api.prompts.template_messages``)."""
 
     name: str = Field(min_length=1)
     arguments: str
-
-    _arguments = field_validator("arguments")(_json_object_text)
 
 
 class MessageToolCall(_Body):
