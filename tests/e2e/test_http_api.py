@@ -12,6 +12,12 @@ that certificate. The official ``openai`` client (sync and async) and raw
   logprobs and usage have the documented shapes. Structured outputs
   (``response_format`` json_schema / json_object, vLLM's ``structured_outputs``
   choice / regex) follow their constraint.
+- Tool calling (the server runs ``--enable-auto-tool-choice --tool-call-parser
+  hermes``): ``tool_choice`` required and named return ``tool_calls`` whose
+  arguments validate against the tool's parameters (``jsonschema``), whole
+  and as streamed ``delta.tool_calls``; the calls and a tool result go back
+  into the chat (HTTP and gRPC render it alike); ``auto`` without a call
+  (the demo model writes none) returns the text.
 - Both transports refuse calls without the key (401 / ``UNAUTHENTICATED``);
   health stays open.
 - A table of bad requests (a schema or regex that does not compile among
