@@ -1,27 +1,52 @@
-"""Weight-only int8 quantization (vLLM's ``quantization`` setting, value "int8").
+"""Weight-only quantization (vLLM's ``quantization`` setting): "int8" and "int4".
 
-Symmetric, per output channel: a kernel stored ``[out, in]`` (as
-``jaxserve.model.llama.linear`` stores them) becomes ``q i8[out, in]`` and
-``scale f32[out]`` with
+Both keep the activations in floating point and store a kernel ``[out, in]`` (as
+``jaxserve.model.llama.linear`` stores them) as integers plus float32 scales; the
+method is a parameter of one code path (``quantize`` / ``dequantize``), and the
+arrays describe their format (int8 values, or uint8 bytes of packed int4 values).
+
+**int8** — symmetric, one scale per output channel: ``q i8[out, in]``,
+``scale f32[out]``,
 
     scale[o] = max_i |w[o, i]| / 127,   q[o, i] = round(w[o, i] / scale[o])
 
-(round half to even, clipped to [-127, 127]; a row of zeros gets scale 1 and
-q = 0), so ``w ≈ q · scale[:, None]`` with an error of at most ``scale[o] / 2``
-per element. This is the absmax ("symmetric linear") scheme of LLM.int8()'s
-vector-wise quantization (Dettmers et al., 2022, section 3.1) without its
-outlier decomposition, and what vLLM's and TensorRT-LLM's weight-only int8
-("W8A16") store: int8 values with one float scale per output channel, the
-activations kept in floating point.
+(clipped to [-127, 127]). This is the absmax ("symmetric linear") scheme of
+LLM.int8()'s vector-wise quantization (Dettmers et al., 2022, section 3.1)
+without its outlier decomposition, and what vLLM's and TensorRT-LLM's weight-only
+int8 ("W8A16") store.
+
+**int4** — symmetric, group-wise along the input axis (``GROUP_SIZE`` = 32
+consecutive inputs share a scale): ``packed u8[out, in / 2]``,
+``scale f32[out, in / G]``, and for the group g holding input i,
+
+    scale[o, g] = max_{i in g} |w[o, i]| / 7.5,   q[o, i] = clip(round(w[o, i] / scale[o, g]), -8, 7)
+
+so that ``w ≈ q · scale``. This is GPTQ's symmetric grid (scale = 2·absmax / 15
+with the zero point fixed at 8, Frantar et al., 2023, and its reference
+``quant.py``) rounded to nearest (no GPTQ error feedback) — the 16 levels -8..7 all
+used, and still within half a step of every weight: |w / scale| <= 7.5, so only
++7.5 rounds past 7 and lands half a step away. Symmetric because its dequantization
+is one multiply per weight (``(nibble - 8) · scale``, llama.cpp's Q4_0 formula),
+which keeps the CPU kernel's in-register dequantization cheap; an asymmetric zero
+point (AWQ, Q4_1) would add a float per group and an add per weight. The scale is
+float32 (5 bits per weight in all; llama.cpp's Q4_0 stores float16: 4.5).
+The packing is Q4_0's: each run of 32 inputs is 16 bytes, byte j holding input j
+in its low nibble and input j + 16 in its high one, as ``nibble = q + 8`` — so a
+16-byte load gives the CPU kernel two 16-lane vectors (``cpu_kernels.matmul_i4``).
+The input dimension must be a multiple of the group size (``check_int4_shape``).
+
+For either method a zero row (or group) gets scale 1 and q = 0, and the error
+is at most ``scale / 2`` per element (round to nearest).
 
 Quantized at load time from the float checkpoint (``jaxserve.model.loader``):
 every linear kernel of the decoder (the fused ``qkv_proj`` and
 ``gate_up_proj``, ``o_proj``, ``down_proj``), the LM head and the embedding
-table. The embedding ``[V, D]`` is quantized per row (its "output channel" as
-the tied LM head), and a lookup dequantizes the gathered rows
+table. The embedding ``[V, D]`` is quantized as the tied LM head is (its rows are
+the output channels), and a lookup dequantizes the gathered rows
 (``embed_lookup``). In the parameter pytree a quantized kernel ``name`` keeps
-its name (now int8) and gains a sibling ``name + SCALE_SUFFIX`` (f32[out],
-or ``[L, out]`` for scanned layers); norms and biases stay float.
+its name (now int8 or packed uint8) and gains a sibling ``name + SCALE_SUFFIX``
+(f32[out] or f32[out, in / G], with a leading ``[L]`` for scanned layers); norms
+and biases stay float.
 """
 
 from __future__ import annotations
@@ -31,50 +56,111 @@ import jax.numpy as jnp
 
 # The values of EngineConfig.quantization / LLM(quantization=...) / --quantization, and
 # their check (jax-free, in jaxserve.config, for the engine and api processes).
-from jaxserve.config import QUANTIZATION_METHODS as METHODS, check_quantization as check_method
+from jaxserve.config import (INT4_GROUP_SIZE as GROUP_SIZE, QUANTIZATION_METHODS as METHODS,
+                             check_quantization as check_method)
 # A quantized kernel ``name``'s scale parameter is ``name + SCALE_SUFFIX``.
 SCALE_SUFFIX = "_scale"
 # The parameters quantized (their names in the parameter pytree).
 QUANTIZED_PARAMS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "embed", "lm_head")
-_QMAX = 127
+# Per method: the scale's divisor (absmax / it) and the integer range.
+_QMAX = {"int8": 127.0, "int4": 7.5}
+_RANGE = {"int8": (-127, 127), "int4": (-8, 7)}
+# int4 values are packed in runs of this many inputs (16 bytes: low nibbles, high nibbles).
+PACK = 32
 
 
-def quantize(w: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """w [..., out, in] (any float dtype) → (q i8[..., out, in], scale f32[..., out]).
+def check_int4_shape(shape: tuple[int, ...], group_size: int = GROUP_SIZE,
+                     name: str = "kernel") -> None:
+    """Raises ValueError (one line, naming ``--quantization int4``) unless the input
+    dimension ``shape[-1]`` is a multiple of ``group_size``, itself a power of two and
+    a multiple of ``PACK`` (the CPU kernel's unit)."""
+    if group_size < PACK or group_size & (group_size - 1):
+        raise ValueError(f"int4 group size must be a power of two >= {PACK}, got {group_size}")
+    if shape[-1] % group_size:
+        raise ValueError(f"--quantization int4 needs every input dimension to be a multiple of "
+                         f"its group size {group_size}: {name} {tuple(shape)} has {shape[-1]}")
 
-    Leading axes (a scanned model's ``[L]``) are kept: each output row of each
-    matrix gets its own scale, ``max|w[..., o, :]| / 127`` (1 for a zero row).
-    Computed in float32.
+
+def quantize(w: jax.Array, method: str = "int8", group_size: int = GROUP_SIZE
+             ) -> tuple[jax.Array, jax.Array]:
+    """w [..., out, in] (any float dtype) → the quantized kernel and its scale (float32 math).
+
+    int8: (q i8[..., out, in], scale f32[..., out]). int4: (packed u8[..., out, in / 2],
+    scale f32[..., out, in / group_size]). Leading axes (a scanned model's ``[L]``) are
+    kept. Formulas: the module docstring.
+
+    Raises:
+      ValueError: an unknown method, or (int4) ``in`` not a multiple of ``group_size``.
     """
+    if method not in _QMAX:
+        raise ValueError(f"quantize: method must be one of {tuple(_QMAX)}, got {method!r}")
     wf = w.astype(jnp.float32)
-    absmax = jnp.max(jnp.abs(wf), axis=-1)  # [..., out]
-    scale = jnp.where(absmax > 0, absmax / _QMAX, 1.0).astype(jnp.float32)
-    q = jnp.clip(jnp.round(wf / scale[..., None]), -_QMAX, _QMAX).astype(jnp.int8)
-    return q, scale
+    if method == "int4":
+        check_int4_shape(w.shape, group_size)
+        wf = wf.reshape(*w.shape[:-1], w.shape[-1] // group_size, group_size)
+    absmax = jnp.max(jnp.abs(wf), axis=-1)  # [..., out] or [..., out, in / G]
+    scale = jnp.where(absmax > 0, absmax / _QMAX[method], 1.0).astype(jnp.float32)
+    q = jnp.clip(jnp.round(wf / scale[..., None]), *_RANGE[method])
+    if method == "int8":
+        return q.astype(jnp.int8), scale
+    return _pack(q.reshape(w.shape).astype(jnp.int32)), scale
+
+
+def _pack(q: jax.Array) -> jax.Array:
+    """int4 values i32[..., in] in [-8, 7] → u8[..., in / 2] (``PACK``-runs, low nibbles first)."""
+    nib = (q + 8).astype(jnp.uint8).reshape(*q.shape[:-1], q.shape[-1] // PACK, 2, PACK // 2)
+    return (nib[..., 0, :] | (nib[..., 1, :] << 4)).reshape(*q.shape[:-1], q.shape[-1] // 2)
+
+
+def unpack_int4(packed: jax.Array) -> jax.Array:
+    """u8[..., in / 2] → the int4 values i8[..., in] in [-8, 7] (``_pack``'s inverse)."""
+    runs = packed.reshape(*packed.shape[:-1], packed.shape[-1] * 2 // PACK, PACK // 2)
+    nib = jnp.stack([runs & 15, runs >> 4], axis=-2)  # [..., in / 32, 2, 16]
+    return (nib.astype(jnp.int8) - 8).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
+def method_of(q: jax.Array) -> str:
+    """The method of a quantized kernel, from its dtype: "int8" (int8) or "int4" (uint8)."""
+    if q.dtype == jnp.int8:
+        return "int8"
+    if q.dtype == jnp.uint8:
+        return "int4"
+    raise ValueError(f"not a quantized kernel: dtype {q.dtype}")
+
+
+def params_method(params) -> str | None:
+    """The quantization method of a parameter pytree (None: no quantized kernel in it)."""
+    dtypes = {x.dtype for x in jax.tree.leaves(params)}
+    return "int8" if jnp.int8 in dtypes else "int4" if jnp.uint8 in dtypes else None
 
 
 def dequantize(q: jax.Array, scale: jax.Array, dtype: jnp.dtype = jnp.float32) -> jax.Array:
-    """q i8[..., out, in], scale f32[..., out] → [..., out, in] of ``dtype``: q · scale."""
-    return (q.astype(jnp.float32) * scale[..., None]).astype(dtype)
+    """A quantized kernel and its scale (``quantize``'s outputs, either method) → the float
+    kernel [..., out, in] of ``dtype``: q · scale (int4: each group times its scale)."""
+    if method_of(q) == "int8":
+        return (q.astype(jnp.float32) * scale[..., None]).astype(dtype)
+    values = unpack_int4(q).astype(jnp.float32)  # [..., out, in]
+    groups = values.reshape(*scale.shape, -1) * scale[..., None]  # [..., out, in / G, G]
+    return groups.reshape(values.shape).astype(dtype)
 
 
 def embed_lookup(q: jax.Array, scale: jax.Array, ids: jax.Array, dtype: jnp.dtype) -> jax.Array:
-    """Rows ``ids`` (i32[T]) of a quantized embedding (q i8[V, D], scale f32[V]) → [T, D] of
-    ``dtype``: the gathered int8 rows times their scales (the table is never dequantized)."""
-    rows = jnp.take(q, ids, axis=0).astype(jnp.float32)  # [T, D]
-    return (rows * jnp.take(scale, ids, axis=0)[:, None]).astype(dtype)
+    """Rows ``ids`` (i32[T]) of a quantized embedding (``quantize`` of [V, D], either method)
+    → [T, D] of ``dtype``: the gathered rows dequantized (the table never is)."""
+    return dequantize(jnp.take(q, ids, axis=0), jnp.take(scale, ids, axis=0), dtype)
 
 
 def quantize_params(params: dict, quantization: str | None) -> dict:
     """A float model's pure-dict parameters → the quantized model's (a new dict).
 
-    Every ``QUANTIZED_PARAMS`` array is replaced by its int8 values and a
+    Every ``QUANTIZED_PARAMS`` array is replaced by its quantized values and a
     ``+ SCALE_SUFFIX`` sibling is added; everything else is kept. For random
     models and tests; the loader quantizes tensor by tensor as it reads them.
     ``quantization`` None returns ``params`` unchanged.
 
     Raises:
-      ValueError: an unsupported method (``check_method``).
+      ValueError: an unsupported method (``check_method``), or an int4 kernel whose
+        input dimension is not a multiple of ``GROUP_SIZE``.
     """
     check_method(quantization)
     if quantization is None:
@@ -84,7 +170,7 @@ def quantize_params(params: dict, quantization: str | None) -> dict:
         if isinstance(value, dict):
             out[key] = quantize_params(value, quantization)
         elif key in QUANTIZED_PARAMS and value is not None:
-            out[key], out[key + SCALE_SUFFIX] = quantize(value)
+            out[key], out[key + SCALE_SUFFIX] = quantize(value, quantization)
         else:
             out[key] = value
     return out

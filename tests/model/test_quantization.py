@@ -53,3 +53,57 @@ def test_unsupported_method_is_refused_in_one_line(bad):
     with pytest.raises(ValueError, match=r"quantization must be one of None, 'int8'") as err:
         quantization.check_method(bad)
     assert "\n" not in str(err.value) and repr(bad) in str(err.value)
+
+
+@pytest.mark.parametrize("group", [32, 64])
+def test_int4_round_trip_error_is_at_most_half_a_step_per_group(group):
+    rng = np.random.default_rng(2)
+    # groups of very different magnitudes, one all-zero group, a [L, out, in] stack
+    w = rng.standard_normal((2, 24, 192)).astype(np.float32)
+    w *= np.repeat(rng.uniform(1e-3, 10, (2, 24, 192 // group)), group, axis=-1)
+    w[1, 5, group:2 * group] = 0.0
+    packed, scale = quantization.quantize(jnp.asarray(w), "int4", group)
+    assert packed.dtype == jnp.uint8 and packed.shape == (2, 24, 96)
+    assert scale.dtype == jnp.float32 and scale.shape == (2, 24, 192 // group)
+    absmax = np.abs(w.reshape(2, 24, -1, group)).max(-1)
+    np.testing.assert_allclose(scale, np.where(absmax > 0, absmax / 7.5, 1), rtol=1e-6)
+    values = np.asarray(quantization.unpack_int4(packed)).astype(np.int64)
+    assert values.min() == -8 and values.max() == 7  # the 16 levels are all used
+    back = np.asarray(quantization.dequantize(packed, scale))
+    step = np.repeat(np.asarray(scale), group, axis=-1)
+    # the oracle: the layout's definition applied to the unpacked values, in float64
+    np.testing.assert_allclose(back, values * step, rtol=1e-6)
+    # round to nearest within [-7.5, 7.5] steps: |w - q·s| <= s/2 (plus float32 rounding)
+    err = np.abs(back - w)
+    assert (err <= step * (0.5 + 1e-5)).all(), (err / step).max()
+    np.testing.assert_array_equal(back[1, 5, group:2 * group], 0.0)
+
+
+def test_int4_packing_is_q4_0s_nibble_order():
+    """Byte j of a 32-input run: input j in the low nibble, input j + 16 in the high one,
+    each stored as value + 8 (llama.cpp's Q4_0 order)."""
+    q = np.tile(np.arange(-8, 8), 4).reshape(1, 64)  # inputs 0..15 and 16..31 of each run
+    w = jnp.asarray(q, jnp.float32) * (7.5 / 8)  # absmax 7.5: scale 1; q·15/16 rounds to q
+    packed, scale = quantization.quantize(w, "int4")
+    np.testing.assert_array_equal(scale, 1.0)
+    want = [(q[0, 32 * r + j] + 8) | ((q[0, 32 * r + 16 + j] + 8) << 4)
+            for r in range(2) for j in range(16)]
+    np.testing.assert_array_equal(np.asarray(packed)[0], want)
+
+
+def test_int4_embed_lookup_is_the_dequantized_rows():
+    rng = np.random.default_rng(4)
+    packed, scale = quantization.quantize(jnp.asarray(rng.standard_normal((50, 64)),
+                                                      jnp.float32), "int4")
+    ids = jnp.asarray([3, 0, 49, 3], jnp.int32)
+    out = quantization.embed_lookup(packed, scale, ids, jnp.float32)
+    np.testing.assert_array_equal(out, quantization.dequantize(packed, scale)[ids])
+
+
+@pytest.mark.parametrize("shape,group,match", [((4, 48), 32, "multiple of its group size 32"),
+                                               ((4, 64), 16, "power of two >= 32"),
+                                               ((4, 96), 48, "power of two >= 32")])
+def test_int4_refuses_a_bad_input_dimension_or_group(shape, group, match):
+    with pytest.raises(ValueError, match=match) as err:
+        quantization.quantize(jnp.ones(shape), "int4", group)
+    assert "\n" not in str(err.value)
