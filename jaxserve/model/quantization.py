@@ -33,7 +33,8 @@ float32 (5 bits per weight in all; llama.cpp's Q4_0 stores float16: 4.5).
 The packing is Q4_0's: each run of 32 inputs is 16 bytes, byte j holding input j
 in its low nibble and input j + 16 in its high one, as ``nibble = q + 8`` — so a
 16-byte load gives the CPU kernel two 16-lane vectors (``cpu_kernels.matmul_i4``).
-The input dimension must be a multiple of the group size (``check_int4_shape``).
+The input dimension must be a multiple of the group size (``check_model`` refuses
+other models at start-up).
 
 For either method a zero row (or group) gets scale 1 and q = 0, and the error
 is at most ``scale / 2`` per element (round to nearest).
@@ -69,16 +70,32 @@ _RANGE = {"int8": (-127, 127), "int4": (-8, 7)}
 PACK = 32
 
 
-def check_int4_shape(shape: tuple[int, ...], group_size: int = GROUP_SIZE,
-                     name: str = "kernel") -> None:
-    """Raises ValueError (one line, naming ``--quantization int4``) unless the input
-    dimension ``shape[-1]`` is a multiple of ``group_size``, itself a power of two and
-    a multiple of ``PACK`` (the CPU kernel's unit)."""
+def check_int4_shape(in_dim: int, group_size: int = GROUP_SIZE,
+                     name: str = "a kernel's input dimension") -> None:
+    """Raises ValueError (one line, naming ``--quantization int4`` and ``name``) unless
+    ``in_dim`` is a multiple of ``group_size``, itself a power of two and a multiple
+    of ``PACK`` (the CPU kernel's unit)."""
     if group_size < PACK or group_size & (group_size - 1):
         raise ValueError(f"int4 group size must be a power of two >= {PACK}, got {group_size}")
-    if shape[-1] % group_size:
-        raise ValueError(f"--quantization int4 needs every input dimension to be a multiple of "
-                         f"its group size {group_size}: {name} {tuple(shape)} has {shape[-1]}")
+    if in_dim % group_size:
+        raise ValueError(f"--quantization int4 needs every linear input dimension to be a "
+                         f"multiple of its group size {group_size}; {name} is {in_dim}")
+
+
+def check_model(config, quantization: str | None, tensor_parallel_size: int = 1) -> None:
+    """Start-up check of a method against a model (``ModelConfig``): ``check_method``, and for
+    int4 the input dimensions of its kernels — hidden_size (q/k/v, gate/up, the LM head;
+    the embedding's rows), num_heads · head_dim (o_proj), intermediate_size (down_proj).
+
+    Raises:
+      ValueError: one line naming the flag and the offending value.
+    """
+    check_method(quantization, tensor_parallel_size=tensor_parallel_size)
+    if quantization == "int4":
+        for name, dim in (("hidden_size", config.hidden_size),
+                          ("num_attention_heads * head_dim", config.num_heads * config.head_dim),
+                          ("intermediate_size", config.intermediate_size)):
+            check_int4_shape(dim, name=name)
 
 
 def quantize(w: jax.Array, method: str = "int8", group_size: int = GROUP_SIZE
@@ -96,7 +113,7 @@ def quantize(w: jax.Array, method: str = "int8", group_size: int = GROUP_SIZE
         raise ValueError(f"quantize: method must be one of {tuple(_QMAX)}, got {method!r}")
     wf = w.astype(jnp.float32)
     if method == "int4":
-        check_int4_shape(w.shape, group_size)
+        check_int4_shape(w.shape[-1], group_size)
         wf = wf.reshape(*w.shape[:-1], w.shape[-1] // group_size, group_size)
     absmax = jnp.max(jnp.abs(wf), axis=-1)  # [..., out] or [..., out, in / G]
     scale = jnp.where(absmax > 0, absmax / _QMAX[method], 1.0).astype(jnp.float32)
@@ -130,8 +147,9 @@ def method_of(q: jax.Array) -> str:
 
 def params_method(params) -> str | None:
     """The quantization method of a parameter pytree (None: no quantized kernel in it)."""
-    dtypes = {x.dtype for x in jax.tree.leaves(params)}
-    return "int8" if jnp.int8 in dtypes else "int4" if jnp.uint8 in dtypes else None
+    dtypes = {jnp.dtype(x.dtype) for x in jax.tree.leaves(params)}
+    return ("int8" if jnp.dtype(jnp.int8) in dtypes else
+            "int4" if jnp.dtype(jnp.uint8) in dtypes else None)
 
 
 def dequantize(q: jax.Array, scale: jax.Array, dtype: jnp.dtype = jnp.float32) -> jax.Array:

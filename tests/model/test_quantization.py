@@ -50,7 +50,7 @@ def test_quantize_params_rewrites_the_linear_kernels_only():
 
 @pytest.mark.parametrize("bad", ["fp8", "INT8", "awq", ""])
 def test_unsupported_method_is_refused_in_one_line(bad):
-    with pytest.raises(ValueError, match=r"quantization must be one of None, 'int8'") as err:
+    with pytest.raises(ValueError, match=r"quantization must be one of None, 'int8', 'int4'") as err:
         quantization.check_method(bad)
     assert "\n" not in str(err.value) and repr(bad) in str(err.value)
 
@@ -100,10 +100,17 @@ def test_int4_embed_lookup_is_the_dequantized_rows():
     np.testing.assert_array_equal(out, quantization.dequantize(packed, scale)[ids])
 
 
-@pytest.mark.parametrize("shape,group,match", [((4, 48), 32, "multiple of its group size 32"),
+@pytest.mark.parametrize("shape,group,match", [((4, 48), 32, "size 32; a kernel's input dimension is 48"),
                                                ((4, 64), 16, "power of two >= 32"),
                                                ((4, 96), 48, "power of two >= 32")])
 def test_int4_refuses_a_bad_input_dimension_or_group(shape, group, match):
     with pytest.raises(ValueError, match=match) as err:
         quantization.quantize(jnp.ones(shape), "int4", group)
     assert "\n" not in str(err.value)
+
+
+def test_params_method_reads_the_kernels_dtype():
+    params = {"embed": jnp.ones((8, 64)), "norm": jnp.ones(64)}
+    assert quantization.params_method(params) is None
+    for method in ("int8", "int4"):
+        assert quantization.params_method(quantization.quantize_params(params, method)) == method
