@@ -102,10 +102,14 @@ inline I16 Nibbles16(const uint8_t* p, bool high) {
 // The kernel formats. Each view reads w[n, k] of a kernel [N, K]: Load16(n, k) the
 // 16 elements from k (k a multiple of 16 below K & ~15) as float32 lanes, At(n, k)
 // one element, Out(sum, n) the finished output (the per-channel scale, if any),
-// Bytes(n) where row n starts and RowBytes() its size (for prefetching).
+// Bytes(n) where row n starts and RowBytes() its size (for prefetching). A view with
+// kPairs (int4) also has Load32(n, k, lo, hi): the 32 elements from k (a multiple of
+// 32; K is one too) in two vectors, from one load — the dot form then steps 32 at a
+// time.
 struct F32Weights {
   const float* w;
   int64_t K;
+  static constexpr bool kPairs = false;
   // Whether the outer-product form reads a float32 copy of each chunk (below).
   static constexpr bool kCopyChunks = false;
   V16 Load16(int64_t n, int64_t k) const { return ::Load16(w + n * K + k); }
@@ -119,6 +123,7 @@ struct I8Weights {
   const int8_t* w;
   const float* scale;  // [N]
   int64_t K;
+  static constexpr bool kPairs = false;
   static constexpr bool kCopyChunks = false;
   V16 Load16(int64_t n, int64_t k) const { return ::Load16(w + n * K + k); }
   float At(int64_t n, int64_t k) const { return static_cast<float>(w[n * K + k]); }
@@ -135,6 +140,7 @@ struct I4Weights {
   // Widening one nibble per broadcast would cost the outer form several scalar
   // instructions per multiply-add: it reads float32 copies of its chunks instead.
   static constexpr bool kCopyChunks = true;
+  static constexpr bool kPairs = true;
   float Scale(int64_t n, int64_t k) const {
     return scale[n * (K >> group_shift) + (k >> group_shift)];
   }
@@ -143,6 +149,23 @@ struct I4Weights {
     const float s = Scale(n, k);
     // (nibble - 8) · s as one multiply-add: nibble · s + (-8 s)
     return __builtin_convertvector(nib, V16) * s + (-8.0f * s);
+  }
+  // One 16-byte load: the low nibbles are elements k..k+15, the high ones k+16..k+31.
+  void Load32(int64_t n, int64_t k, V16& lo, V16& hi) const {
+    const uint8_t* p = w + (n * K + k) / 2;
+    const float s = Scale(n, k);
+#ifdef __AVX512F__
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m512 vs = _mm512_set1_ps(s), vm = _mm512_set1_ps(-8.0f * s);
+    lo = reinterpret_cast<V16>(_mm512_fmadd_ps(
+        _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15))), vs, vm));
+    hi = reinterpret_cast<V16>(_mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), vs,
+                                               vm));
+#else
+    const I16 b = __builtin_convertvector(*reinterpret_cast<const U8x16u*>(p), I16);
+    lo = __builtin_convertvector(b & 15, V16) * s + (-8.0f * s);
+    hi = __builtin_convertvector(b >> 4, V16) * s + (-8.0f * s);
+#endif
   }
   float At(int64_t n, int64_t k) const {
     const uint8_t b = w[(n * K + (k & ~int64_t{31})) / 2 + (k & 15)];
@@ -188,6 +211,27 @@ template <int MB, typename W>
 inline void Block(const float* x, const W& w, int64_t n, float* y, int64_t K, int64_t N,
                   Prefetch& pf) {
   V16 acc[MB][kColBlock] = {};
+  if constexpr (W::kPairs) {  // K is a multiple of 32
+    for (int64_t k = 0; k < K; k += 32) {
+      for (int64_t l = 0; l < 2 * pf.lines_per_step && pf.next < pf.end; ++l, pf.next += kLine)
+        __builtin_prefetch(pf.next, 0, 1);  // locality 1: into L2
+      // Column by column (two vectors of w each), x read from L1: 24 accumulators, 2
+      // columns' vectors and x's fit the 32 registers.
+#pragma GCC unroll 16
+      for (int j = 0; j < kColBlock; ++j) {
+        V16 lo, hi;
+        w.Load32(n + j, k, lo, hi);
+#pragma GCC unroll 16
+        for (int i = 0; i < MB; ++i) {
+          acc[i][j] += *reinterpret_cast<const V16u*>(x + i * K + k) * lo;
+          acc[i][j] += *reinterpret_cast<const V16u*>(x + i * K + k + 16) * hi;
+        }
+      }
+    }
+    for (int i = 0; i < MB; ++i)
+      for (int j = 0; j < kColBlock; ++j) y[i * N + j] = w.Out(LaneSum(acc[i][j]), n + j);
+    return;
+  }
   const int64_t k16 = K & ~int64_t{15};
   for (int64_t k = 0; k < k16; k += 16) {
     for (int64_t l = 0; l < pf.lines_per_step && pf.next < pf.end; ++l, pf.next += kLine)
@@ -208,6 +252,21 @@ inline void Block(const float* x, const W& w, int64_t n, float* y, int64_t K, in
       for (int64_t k = k16; k < K; ++k) s += x[i * K + k] * w.At(n + j, k);
       y[i * N + j] = w.Out(s, n + j);
     }
+}
+
+// Block over `rows` rows of x (from x) and the columns n.. of w, into y.
+template <typename W>
+inline void RowBlocks(const float* x, const W& w, int64_t n, float* y, int64_t rows, int64_t K,
+                      int64_t N, Prefetch& pf) {
+  int64_t m = 0;
+  for (; m + kRowBlock <= rows; m += kRowBlock, x += kRowBlock * K, y += kRowBlock * N)
+    Block<kRowBlock>(x, w, n, y, K, N, pf);
+  switch (rows - m) {
+    case 3: Block<3>(x, w, n, y, K, N, pf); break;
+    case 2: Block<2>(x, w, n, y, K, N, pf); break;
+    case 1: Block<1>(x, w, n, y, K, N, pf); break;
+    default: break;
+  }
 }
 
 template <typename W>
@@ -234,17 +293,8 @@ void RunItem(const Problem<W>& p, int64_t item, const char* after) {
     const char* next = n + 2 * kColBlock <= n1 ? p.w.Bytes(n) + block_bytes : after;
     Prefetch pf{next, next == nullptr ? nullptr : next + std::min(block_bytes, w_end - next),
                 lines_per_step};
-    const float* x = p.x + m0 * p.K;
     float* y = p.y + m0 * p.N + n;
-    int64_t m = m0;
-    for (; m + kRowBlock <= m1; m += kRowBlock, x += kRowBlock * p.K, y += kRowBlock * p.N)
-      Block<kRowBlock>(x, p.w, n, y, p.K, p.N, pf);
-    switch (m1 - m) {
-      case 3: Block<3>(x, p.w, n, y, p.K, p.N, pf); break;
-      case 2: Block<2>(x, p.w, n, y, p.K, p.N, pf); break;
-      case 1: Block<1>(x, p.w, n, y, p.K, p.N, pf); break;
-      default: break;
-    }
+    RowBlocks(p.x + m0 * p.K, p.w, n, y, m1 - m0, p.K, p.N, pf);
   }
   for (; n < n1; ++n)  // columns past the last whole block
     for (int64_t m = m0; m < m1; ++m) {
