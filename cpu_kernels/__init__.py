@@ -10,8 +10,8 @@ float32 products of at most ``MATMUL_MAX_ROWS`` rows on the CPU; the same code
 instantiated for int8 kernels with a float32 scale per output channel
 (``matmul_i8``, weight-only int8: ``jaxserve.model.quantization``) runs every
 product of an int8 kernel on the CPU, at any row count, and instantiated for
-packed int4 kernels with a float32 scale per group of inputs (``matmul_i4``,
-group-wise int4) every product of an int4 kernel.
+packed int4 kernels with a float32 step and offset per group of inputs
+(``matmul_i4``, group-wise int4) every product of an int4 kernel.
 
 Both are compiled into one library once per machine with the system C++ compiler (``$CXX``,
 else ``g++``), ``-O3 -march=native``, against the XLA FFI headers that ship with
@@ -244,28 +244,29 @@ def matmul_i8_reference(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Arr
 
 
 def matmul_i4(x: jax.Array, packed: jax.Array, scale: jax.Array) -> jax.Array:
-    """x f32[..., K] times a packed int4 kernel (packed u8[N, K / 2], scale f32[N, K / G])
-    → f32[..., N], by the C++ kernel: ``x @ w.T`` with ``w[n, k] = q[n, k] · scale[n, k / G]``,
-    each 16 int4 values widened and scaled in float32 registers.
+    """x f32[..., K] times a packed int4 kernel (packed u8[N, K / 2], scale f32[N, K / G, 2])
+    → f32[..., N], by the C++ kernel: ``x @ w.T`` with
+    ``w[n, k] = q[n, k] · scale[n, k / G, 0] + scale[n, k / G, 1]`` (step, offset), each 16
+    int4 values widened and scaled in float32 registers.
 
-    The layout is ``jaxserve.model.quantization``'s int4 (llama.cpp Q4_0's nibble order,
-    ``nibble = q + 8``); G, the group size, is K / scale.shape[1]. The product
+    The layout is ``jaxserve.model.quantization``'s int4 (llama.cpp Q4_0 / Q4_1's
+    nibble order); G, the group size, is K / scale.shape[1]. The product
     ``jaxserve.model.llama.linear`` runs for every int4 kernel on the CPU; agrees with
     ``matmul_i4_reference`` to float32 rounding (another summation order).
 
     Raises:
       RuntimeError: the kernels could not be built (``available()`` is False).
-      ValueError: packed is not [N, K / 2] or scale not [N, K / G] with G a power of two
-        >= 32 dividing K, or a dtype is not float32 / uint8 / float32.
+      ValueError: packed is not [N, K / 2] or scale not [N, K / G, 2] with G a power of
+        two >= 32 dividing K, or a dtype is not float32 / uint8 / float32.
     """
     k = x.shape[-1]
-    groups = scale.shape[-1] if scale.ndim == 2 else 0
+    groups = scale.shape[1] if scale.ndim == 3 else 0
     group = k // groups if groups else 0
-    if (packed.ndim != 2 or scale.ndim != 2 or 2 * packed.shape[1] != k
+    if (packed.ndim != 2 or scale.ndim != 3 or scale.shape[2] != 2 or 2 * packed.shape[1] != k
             or scale.shape[0] != packed.shape[0] or (k and (groups == 0 or group * groups != k
                                                            or group < 32 or group & (group - 1)))):
-        raise ValueError(f"matmul_i4: x [..., K], packed [N, K / 2] and scale [N, K / G] with G a "
-                         f"power of two >= 32 expected, got {x.shape}, {packed.shape} and "
+        raise ValueError(f"matmul_i4: x [..., K], packed [N, K / 2] and scale [N, K / G, 2] with G "
+                         f"a power of two >= 32 expected, got {x.shape}, {packed.shape} and "
                          f"{scale.shape}")
     if x.dtype != jnp.float32 or packed.dtype != jnp.uint8 or scale.dtype != jnp.float32:
         raise ValueError(f"matmul_i4: float32, uint8 and float32 operands expected, got "
@@ -281,7 +282,7 @@ def matmul_i4(x: jax.Array, packed: jax.Array, scale: jax.Array) -> jax.Array:
 
 def matmul_i4_reference(x: jax.Array, packed: jax.Array, scale: jax.Array) -> jax.Array:
     """``matmul_i4``'s contract in jnp (any platform): x [..., K], packed u8[N, K / 2],
-    scale f32[N, K / G] → [..., N] of x's dtype, x times the dequantized kernel
+    scale f32[N, K / G, 2] → [..., N] of x's dtype, x times the dequantized kernel
     (``jaxserve.model.quantization.dequantize``, as x's dtype) transposed."""
     from jaxserve.model.quantization import dequantize
 

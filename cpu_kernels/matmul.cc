@@ -12,13 +12,14 @@
 //   registers as they are loaded (16 at a time) and the scale is applied once
 //   per output, so the kernel streams a quarter of the float32 bytes and no
 //   float copy of w exists.
-// - jaxserve_matmul_i4: w int4, packed two per byte in llama.cpp Q4_0's order
-//   (each run of 32 inputs is 16 bytes, byte j = input j in the low nibble,
-//   input j + 16 in the high one, stored as q + 8), with a float32 scale per
+// - jaxserve_matmul_i4: w int4, packed two per byte in llama.cpp Q4_0 / Q4_1's
+//   order (each run of 32 inputs is 16 bytes, byte j = input j in the low
+//   nibble, input j + 16 in the high one), with a float32 step and offset per
 //   group of G inputs (a power of two >= 32) and output channel:
-//   w[n, k] = (nibble - 8) · scale[n, k / G] (jaxserve.model.quantization). Each
-//   16 nibbles are widened and scaled in registers (one multiply-add), so the
-//   kernel streams 5/32 of the float32 bytes (scales included).
+//   w[n, k] = q · scale[n, k / G, 0] + scale[n, k / G, 1]
+//   (jaxserve.model.quantization). Each 16 values are widened and scaled in
+//   registers (one multiply-add), so the kernel streams 6/32 of the float32
+//   bytes (step and offset included).
 // Made for the 1..128 rows of a decode
 // step or a small prefill chunk, where XLA's CPU backend (YNNPACK from M = 2)
 // is far from the speed of streaming the weights (few rows) or repacks the
@@ -134,42 +135,42 @@ struct I8Weights {
 
 struct I4Weights {
   const uint8_t* w;    // [N, K / 2]
-  const float* scale;  // [N, K >> group_shift]
+  const float* scale;  // [N, K >> group_shift, 2]: (step, offset) per group
   int64_t K;
   int group_shift;     // log2 of the group size
-  // Widening one nibble per broadcast would cost the outer form several scalar
+  // Widening one value per broadcast would cost the outer form several scalar
   // instructions per multiply-add: it reads float32 copies of its chunks instead.
   static constexpr bool kCopyChunks = true;
   static constexpr bool kPairs = true;
-  float Scale(int64_t n, int64_t k) const {
-    return scale[n * (K >> group_shift) + (k >> group_shift)];
+  const float* Group(int64_t n, int64_t k) const {
+    return scale + 2 * (n * (K >> group_shift) + (k >> group_shift));
   }
   V16 Load16(int64_t n, int64_t k) const {
-    const I16 nib = Nibbles16(w + (n * K + (k & ~int64_t{31})) / 2, (k & 16) != 0);
-    const float s = Scale(n, k);
-    // (nibble - 8) · s as one multiply-add: nibble · s + (-8 s)
-    return __builtin_convertvector(nib, V16) * s + (-8.0f * s);
+    const I16 q = Nibbles16(w + (n * K + (k & ~int64_t{31})) / 2, (k & 16) != 0);
+    const float* g = Group(n, k);
+    return __builtin_convertvector(q, V16) * g[0] + g[1];  // one multiply-add
   }
   // One 16-byte load: the low nibbles are elements k..k+15, the high ones k+16..k+31.
   void Load32(int64_t n, int64_t k, V16& lo, V16& hi) const {
     const uint8_t* p = w + (n * K + k) / 2;
-    const float s = Scale(n, k);
+    const float* g = Group(n, k);
 #ifdef __AVX512F__
     const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    const __m512 vs = _mm512_set1_ps(s), vm = _mm512_set1_ps(-8.0f * s);
+    const __m512 step = _mm512_set1_ps(g[0]), offset = _mm512_set1_ps(g[1]);
     lo = reinterpret_cast<V16>(_mm512_fmadd_ps(
-        _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15))), vs, vm));
-    hi = reinterpret_cast<V16>(_mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), vs,
-                                               vm));
+        _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15))), step, offset));
+    hi = reinterpret_cast<V16>(
+        _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), step, offset));
 #else
     const I16 b = __builtin_convertvector(*reinterpret_cast<const U8x16u*>(p), I16);
-    lo = __builtin_convertvector(b & 15, V16) * s + (-8.0f * s);
-    hi = __builtin_convertvector(b >> 4, V16) * s + (-8.0f * s);
+    lo = __builtin_convertvector(b & 15, V16) * g[0] + g[1];
+    hi = __builtin_convertvector(b >> 4, V16) * g[0] + g[1];
 #endif
   }
   float At(int64_t n, int64_t k) const {
     const uint8_t b = w[(n * K + (k & ~int64_t{31})) / 2 + (k & 15)];
-    return static_cast<float>(((k & 16) ? b >> 4 : b & 15) - 8) * Scale(n, k);
+    const float* g = Group(n, k);
+    return static_cast<float>((k & 16) ? b >> 4 : b & 15) * g[0] + g[1];
   }
   float Out(float s, int64_t) const { return s; }
   const char* Bytes(int64_t n) const { return reinterpret_cast<const char*>(w + n * K / 2); }
@@ -583,11 +584,11 @@ ffi::Error MatmulI8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
 ffi::Error MatmulI4(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
                     ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions(), wd = w.dimensions(), sd = scale.dimensions(), yd = y->dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || sd.size() != 2 || yd.size() != 2 ||
-      xd[1] != 2 * wd[1] || xd[1] % 32 != 0 || sd[0] != wd[0] || yd[0] != xd[0] ||
-      yd[1] != wd[0])
+  if (xd.size() != 2 || wd.size() != 2 || sd.size() != 3 || yd.size() != 2 ||
+      xd[1] != 2 * wd[1] || xd[1] % 32 != 0 || sd[0] != wd[0] || sd[2] != 2 ||
+      yd[0] != xd[0] || yd[1] != wd[0])
     return ffi::Error::InvalidArgument(
-        "matmul_i4: x [M, K], w [N, K / 2], scale [N, K / G], y [M, N], K a multiple of 32");
+        "matmul_i4: x [M, K], w [N, K / 2], scale [N, K / G, 2], y [M, N], K a multiple of 32");
   const int64_t K = xd[1], groups = sd[1];
   int shift = 0;  // log2 of the group size K / groups, a power of two >= 32
   while (shift < 62 && (int64_t{1} << shift) * groups < K) ++shift;

@@ -32,10 +32,11 @@ every kernel above, the embedding and the LM head are int8 ``[out, in]`` with a
 float32 scale per output channel beside them (``<name>_scale``); ``linear`` then
 runs the C++ int8 product on the CPU (``cpu_kernels.matmul_i8``, any row count)
 and ``(x @ q) * scale`` in jnp elsewhere, and the embedding lookup dequantizes
-only the gathered rows. ``quantization="int4"`` is the same with packed int4
-kernels ``u8[out, in / 2]`` and a scale per group of 32 inputs ``f32[out, in / 32]``
-(``cpu_kernels.matmul_i4`` on the CPU; elsewhere the jnp form, which dequantizes
-the kernel and multiplies).
+only the gathered rows. ``quantization="int4"`` makes the decoder's kernels packed
+int4 ``u8[out, in / 2]`` with a (step, offset) per group of 32 inputs
+``f32[out, in / 32, 2]`` (``cpu_kernels.matmul_i4`` on the CPU; elsewhere the jnp
+form, which dequantizes the kernel and multiplies) and keeps the embedding and LM
+head int8.
 
 Built with a ``mesh`` (tensor parallel over TP devices, ``jaxserve.model.sharding``),
 the fused output features are grouped by device and the model splits them per group;
@@ -106,8 +107,8 @@ def linear(x: jax.Array, kernel: jax.Array, scale: jax.Array | None = None, *,
 
     With ``scale`` the kernel is quantized (``jaxserve.model.quantization``, the method
     read from the kernel's dtype): int8 ``[out, in]`` with scale f32[out], the product
-    ``(x @ kernel.T) * scale``, or packed int4 u8[out, in / 2] with scale
-    f32[out, in / G], the product with the dequantized kernel. On the CPU, for float32
+    ``(x @ kernel.T) * scale``, or packed int4 u8[out, in / 2] with (step, offset)
+    f32[out, in / G, 2], the product with the dequantized kernel. On the CPU, for float32
     x at any row count, the C++ kernel (``cpu_kernels.matmul_i8`` / ``matmul_i4``,
     the integers widened in registers); otherwise (a GPU lowering, a tensor-parallel
     split, another dtype) its jnp form (``matmul_i8_reference`` / ``matmul_i4_reference``).
@@ -281,8 +282,8 @@ class CausalLM(nnx.Module):
         device; ``config`` is then ``ModelConfig.for_tensor_parallel``'s.
       quantization: None, "int8" or "int4" (``jaxserve.model.quantization.METHODS``):
         every linear kernel, the embedding and the LM head int8 with a float32
-        scale per output channel, or packed int4 with a float32 scale per group
-        of 32 inputs.
+        scale per output channel; or the decoder's kernels packed int4 with a float32
+        step and offset per group of 32 inputs, the embedding and LM head int8.
 
     Raises:
       ValueError: an unsupported ``quantization``.
@@ -296,7 +297,9 @@ class CausalLM(nnx.Module):
         self.scan_layers = scan_layers
         self.mesh = mesh
         v, d = config.vocab_size, config.hidden_size
-        self.embed, self.embed_scale = _weight(rngs, (v, d), dtype, quantization)  # [V, D], [V]
+        # [V, D], [V]; int8 under int4 too (quant.method_for)
+        head_method = None if quantization is None else quant.method_for("embed", quantization)
+        self.embed, self.embed_scale = _weight(rngs, (v, d), dtype, head_method)
         if scan_layers:  # every parameter [L, ...]
             self.layers = _stacked_layers(config, dtype, rngs, mesh, quantization)
         else:
@@ -305,7 +308,7 @@ class CausalLM(nnx.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.lm_head, self.lm_head_scale = (
             (None, None) if config.tie_word_embeddings
-            else _weight(rngs, (v, d), dtype, quantization))  # [V, D], [V]
+            else _weight(rngs, (v, d), dtype, head_method))  # [V, D], [V]
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array, kv_cache: KVCache,
                  metadata: AttentionMetadata, backend: str) -> tuple[jax.Array, KVCache]:

@@ -291,7 +291,8 @@ def load_model(model_dir: str | os.PathLike | None = None, dtype: str | jnp.dtyp
             values = {param_path: value}
             if quantized:  # from the float32 tensor: the quantized kernel + its scale
                 scale_path = (*param_path[:-1], name + quant.SCALE_SUFFIX)
-                values[param_path], values[scale_path] = quant.quantize(value, quantization)
+                values[param_path], values[scale_path] = quant.quantize(
+                    value, quant.method_for(name, quantization))
         for filled_path, value in values.items():
             expected = abstracts[filled_path]
             if value.shape != expected.shape:

@@ -58,36 +58,38 @@ def test_unsupported_method_is_refused_in_one_line(bad):
 @pytest.mark.parametrize("group", [32, 64])
 def test_int4_round_trip_error_is_at_most_half_a_step_per_group(group):
     rng = np.random.default_rng(2)
-    # groups of very different magnitudes, one all-zero group, a [L, out, in] stack
+    # groups of very different magnitudes and offsets, one constant group, a [L, out, in] stack
     w = rng.standard_normal((2, 24, 192)).astype(np.float32)
     w *= np.repeat(rng.uniform(1e-3, 10, (2, 24, 192 // group)), group, axis=-1)
-    w[1, 5, group:2 * group] = 0.0
+    w += np.repeat(rng.uniform(-5, 5, (2, 24, 192 // group)), group, axis=-1)
+    w[1, 5, group:2 * group] = 0.25
     packed, scale = quantization.quantize(jnp.asarray(w), "int4", group)
     assert packed.dtype == jnp.uint8 and packed.shape == (2, 24, 96)
-    assert scale.dtype == jnp.float32 and scale.shape == (2, 24, 192 // group)
-    absmax = np.abs(w.reshape(2, 24, -1, group)).max(-1)
-    np.testing.assert_allclose(scale, np.where(absmax > 0, absmax / 7.5, 1), rtol=1e-6)
+    assert scale.dtype == jnp.float32 and scale.shape == (2, 24, 192 // group, 2)
+    groups = w.reshape(2, 24, -1, group)
+    spread = groups.max(-1) - groups.min(-1)
+    np.testing.assert_allclose(scale[..., 0], np.where(spread > 0, spread / 15, 1), rtol=1e-5)
+    np.testing.assert_array_equal(scale[..., 1], groups.min(-1))
     values = np.asarray(quantization.unpack_int4(packed)).astype(np.int64)
-    assert values.min() == -8 and values.max() == 7  # the 16 levels are all used
+    assert values.min() == 0 and values.max() == 15  # both ends of a group on the grid
     back = np.asarray(quantization.dequantize(packed, scale))
-    step = np.repeat(np.asarray(scale), group, axis=-1)
+    step, offset = (np.repeat(np.asarray(scale[..., i]), group, axis=-1) for i in (0, 1))
     # the oracle: the layout's definition applied to the unpacked values, in float64
-    np.testing.assert_allclose(back, values * step, rtol=1e-6)
-    # round to nearest within [-7.5, 7.5] steps: |w - q·s| <= s/2 (plus float32 rounding)
+    np.testing.assert_allclose(back, values * step.astype(np.float64) + offset, rtol=1e-5,
+                               atol=1e-6 * np.abs(offset).max())
+    # round to nearest: |w - (q·d + m)| <= d/2 (plus float32 rounding of the offset's size)
     err = np.abs(back - w)
-    assert (err <= step * (0.5 + 1e-5)).all(), (err / step).max()
-    np.testing.assert_array_equal(back[1, 5, group:2 * group], 0.0)
+    assert (err <= step * (0.5 + 1e-4) + 1e-6 * np.abs(w)).all(), (err / step).max()
+    np.testing.assert_array_equal(back[1, 5, group:2 * group], 0.25)  # constant: exact
 
 
-def test_int4_packing_is_q4_0s_nibble_order():
-    """Byte j of a 32-input run: input j in the low nibble, input j + 16 in the high one,
-    each stored as value + 8 (llama.cpp's Q4_0 order)."""
-    q = np.tile(np.arange(-8, 8), 4).reshape(1, 64)  # inputs 0..15 and 16..31 of each run
-    w = jnp.asarray(q, jnp.float32) * (7.5 / 8)  # absmax 7.5: scale 1; q·15/16 rounds to q
-    packed, scale = quantization.quantize(w, "int4")
-    np.testing.assert_array_equal(scale, 1.0)
-    want = [(q[0, 32 * r + j] + 8) | ((q[0, 32 * r + 16 + j] + 8) << 4)
-            for r in range(2) for j in range(16)]
+def test_int4_packing_is_llama_cpps_nibble_order():
+    """Byte j of a 32-input run: input j in the low nibble, input j + 16 in the high one
+    (llama.cpp's Q4_0 / Q4_1 order)."""
+    q = np.tile(np.arange(16), 4).reshape(1, 64)  # each group spans 0..15: step 1, offset 0
+    packed, scale = quantization.quantize(jnp.asarray(q, jnp.float32), "int4")
+    np.testing.assert_array_equal(scale, [[[1.0, 0.0], [1.0, 0.0]]])
+    want = [q[0, 32 * r + j] | (q[0, 32 * r + 16 + j] << 4) for r in range(2) for j in range(16)]
     np.testing.assert_array_equal(np.asarray(packed)[0], want)
 
 
@@ -110,7 +112,16 @@ def test_int4_refuses_a_bad_input_dimension_or_group(shape, group, match):
 
 
 def test_params_method_reads_the_kernels_dtype():
-    params = {"embed": jnp.ones((8, 64)), "norm": jnp.ones(64)}
+    params = {"embed": jnp.ones((8, 64)), "o_proj": jnp.ones((64, 64)), "norm": jnp.ones(64)}
     assert quantization.params_method(params) is None
     for method in ("int8", "int4"):
         assert quantization.params_method(quantization.quantize_params(params, method)) == method
+
+
+def test_int4_keeps_the_embedding_and_lm_head_at_int8():
+    params = {"embed": jnp.ones((8, 64)), "lm_head": jnp.ones((8, 64)),
+              "layers": {0: {"mlp": {"down_proj": jnp.ones((4, 64))}}}}
+    out = quantization.quantize_params(params, "int4")
+    assert out["embed"].dtype == out["lm_head"].dtype == jnp.int8
+    assert out["layers"][0]["mlp"]["down_proj"].dtype == jnp.uint8
+    assert out["layers"][0]["mlp"]["down_proj_scale"].shape == (4, 2, 2)

@@ -13,7 +13,7 @@ Two checks with different references:
   embedding, the LM head) add, each moving the logits by at most ε of their scale
   in a model whose layers do not amplify (initializer range 0.02, as real
   checkpoints), so max |Δlogit| <= M·ε·max|logit|. Greedy tokens agree wherever
-  the float model's top-2 gap exceeds twice the measured error. For int4 (ε ~9 % for
+  the float model's top-2 gap exceeds twice the measured error. For int4 (ε ~8 % for
   Gaussian groups of 32) that bound is loose, so its closeness is also stated as
   the measured teacher-forced argmax agreement and mean log-likelihood change.
 """
@@ -57,6 +57,13 @@ def _logits(loaded, tokens, backend="cpu"):
 KERNEL_DTYPES = {"int8": jnp.int8, "int4": jnp.uint8}
 
 
+def _kernel_dtype(method: str, key: str):
+    """The dtype of the quantized kernel at pytree path ``key`` (int4 keeps the embedding and
+    LM head at int8)."""
+    name = key.split("'")[-2]
+    return KERNEL_DTYPES[quant.method_for(name, method)]
+
+
 @pytest.mark.parametrize("method", ["int8", "int4"])
 @pytest.mark.parametrize("arch,scan_layers", [("LlamaForCausalLM", False),
                                               ("Qwen2ForCausalLM", False),
@@ -73,7 +80,7 @@ def test_quantized_model_is_the_float_model_with_dequantized_weights(arch, scan_
     per_layer = 4  # qkv_proj, o_proj, gate_up_proj, down_proj (stacked once when scanned)
     assert len(kernels) == per_layer * (1 if scan_layers else config.num_layers) + 1 + (
         not config.tie_word_embeddings), kernels  # + the embedding, + an untied LM head
-    assert all(dtypes[k] == KERNEL_DTYPES[method] for k in kernels)
+    assert all(dtypes[k] == _kernel_dtype(method, k) for k in kernels), dtypes
     assert all(dtypes[k[:-2] + quant.SCALE_SUFFIX + "']"] == jnp.float32 for k in kernels)
     f_config, f_graphdef, _ = load_model(tmp_path, scan_layers=scan_layers)
     tokens = np.random.default_rng(0).integers(0, config.vocab_size, 24).tolist()
@@ -117,10 +124,10 @@ def test_int4_logits_close_to_float(arch, tmp_path):
     """int4 (group 32) against the float model, 64 teacher-forced positions.
 
     Measured on the tiny models of seeds 0-2 of both architectures (V = 256, near-uniform
-    logits: mean NLL ~5.55 = ln 256): ε 9.6 %; max |Δlogit| 0.10-0.21 against the bound
-    (2L + 2)·ε·max|logit| = 0.46-0.62; argmax agreement 0.63-0.95 (0.72 and 0.70 at seed 0);
-    |Δ mean NLL| <= 0.0063 nats (int8: agreement 0.95-1.0, |Δ NLL| <= 0.0004). Thresholds:
-    agreement >= 0.5, |Δ NLL| <= 0.02 nats, and the argmax equal wherever the float top-2
+    logits: mean NLL ~5.55 = ln 256): ε 7.9 %; max |Δlogit| 0.05-0.14 against the bound
+    (2L + 2)·ε·max|logit| = 0.38-0.51; argmax agreement 0.84-0.94 (0.875 and 0.94 at seed 0);
+    |Δ mean NLL| <= 0.0035 nats (int8: agreement 0.95-1.0, |Δ NLL| <= 0.0004). Thresholds:
+    agreement >= 0.75, |Δ NLL| <= 0.01 nats, and the argmax equal wherever the float top-2
     gap exceeds twice the measured error.
     """
     make_tiny_model(arch, tmp_path, initializer_range=INIT)
@@ -128,16 +135,16 @@ def test_int4_logits_close_to_float(arch, tmp_path):
     deq = jax.tree.leaves(_dequantized(q_loaded[2]))
     eps = max(float(jnp.linalg.norm(d - f) / jnp.linalg.norm(f))
               for d, f in zip(deq, jax.tree.leaves(f_loaded[2])) if f.ndim == 2)
-    # uniform rounding error of Gaussian groups of 32: step 2·absmax/15 ~ 0.33σ, rms step/√12
-    assert 0.05 < eps < 0.15, eps
+    # uniform rounding error of Gaussian groups of 32: step (max - min)/15 ~ 0.27σ, rms step/√12
+    assert 0.05 < eps < 0.12, eps
     config = f_loaded[0]
     tokens = np.random.default_rng(0).integers(0, config.vocab_size, 64).tolist()
     want, got = _logits(f_loaded, tokens), _logits(q_loaded, tokens)
     err = np.abs(got - want).max()
     assert err <= (2 * config.num_layers + 2) * eps * np.abs(want).max(), (err, eps)
     agreement = (got.argmax(-1) == want.argmax(-1)).mean()
-    assert agreement >= 0.5, agreement
-    assert abs(_mean_nll(got, tokens) - _mean_nll(want, tokens)) <= 0.02
+    assert agreement >= 0.75, agreement
+    assert abs(_mean_nll(got, tokens) - _mean_nll(want, tokens)) <= 0.01
     top2 = np.sort(want, axis=-1)[:, -2:]
     clear = (top2[:, 1] - top2[:, 0]) > 2 * err
     np.testing.assert_array_equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
@@ -151,7 +158,8 @@ def _lowered(x, q, scale, **kwargs):
                     reason="the C++ quantized kernels are the CPU's")
 @pytest.mark.parametrize("q,scale,target", [
     (jnp.zeros((32, 64), jnp.int8), jnp.ones((32,), jnp.float32), cpu_kernels.MATMUL_I8_TARGET),
-    (jnp.zeros((32, 32), jnp.uint8), jnp.ones((32, 2), jnp.float32), cpu_kernels.MATMUL_I4_TARGET),
+    (jnp.zeros((32, 32), jnp.uint8), jnp.ones((32, 2, 2), jnp.float32),
+     cpu_kernels.MATMUL_I4_TARGET),
 ], ids=["int8", "int4"])
 def test_quantized_linear_uses_the_kernel_at_every_row_count_on_the_cpu_only(q, scale, target):
     for rows in (1, 7, cpu_kernels.MATMUL_MAX_ROWS + 1, 512):
