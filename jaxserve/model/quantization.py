@@ -44,7 +44,7 @@ Q4_1 stores them as float16: 5).
 embedding and the LM head are int8 (``method_for``): as llama.cpp's 4-bit files keep
 ``token_embd`` / ``output`` at 6-8 bits and GPTQ / AWQ checkpoints keep them in 16
 bits. Measured: int4 everywhere gave the demo model +5.0 % perplexity, int8 for the
-embedding (tied LM head) ~0 %.
+embedding (tied LM head) +0.3 % (28.14; ``benchmarks.quantization``, docs/model.md).
 
 The packing is llama.cpp's Q4_0 / Q4_1 order: each run of 32 inputs is 16 bytes, byte j
 holding input j in its low nibble and input j + 16 in its high one — so a 16-byte
