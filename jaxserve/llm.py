@@ -82,8 +82,9 @@ class LLM:
       tensor_parallel_size: devices the model and KV cache are split over
         (docs/scale_out.md); the model's heads must split over them.
       load_format: "auto", "safetensors" or "orbax" (``WorkerInit.load_format``).
-      quantization: None, or "int8" (vLLM's argument): weight-only int8 quantized
-        at load time, a float32 scale per output channel (docs/model.md).
+      quantization: None, "int8" or "int4" (vLLM's argument): weight quantized at load
+        time — int8 with a float32 scale per output channel, or int4 with a float32
+        scale per group of 32 inputs (one device only) (docs/model.md).
       compilation_cache_dir: JAX's persistent compilation cache directory;
         None = JAX's setting (``JAX_COMPILATION_CACHE_DIR`` or
         ``jax.config``) when there is one, else ``$JAXSERVE_CACHE/jax_cache``
