@@ -50,11 +50,11 @@ def demo_gguf_path(demo_model_dir: pathlib.Path) -> pathlib.Path:
 # Every XLA:CPU executable the process holds maps memory regions (a jitted
 # helper ~4, the demo model's served step ~130, an in-process LLM ~8,000), and
 # JAX's jit caches keep each one for the life of the process. Past Linux's
-# vm.max_map_count (65,530 by default) the next executable loaded from the
-# persistent cache fails to map and the process dies with SIGSEGV inside
-# deserialize_executable: the whole suite in one process reached it. Between
-# modules, once the count passes this mark, the jit caches are dropped (what a
-# module still needs is reloaded from the persistent cache).
+# vm.max_map_count (65,530 by default) the next executable compiled or loaded
+# fails to map and the process dies (SIGSEGV or SIGABRT inside the persistent
+# cache's serialize or deserialize): the whole suite in one process reached it.
+# After any test that leaves the count past this mark the jit caches are
+# dropped (what a later test needs is reloaded from the persistent cache).
 _MEMORY_MAPS_CLEAR_AT = 20_000
 
 
@@ -64,9 +64,9 @@ def memory_maps() -> int:
         return sum(1 for _ in maps)
 
 
-@pytest.fixture(scope="module", autouse=True)
+@pytest.fixture(autouse=True)
 def _bounded_memory_maps():
-    """After each module (its own fixtures torn down first): drops JAX's caches
+    """After each test (its own fixtures torn down first): drops JAX's caches
     when the process maps more than ``_MEMORY_MAPS_CLEAR_AT`` regions."""
     yield
     if "jax" in sys.modules and memory_maps() > _MEMORY_MAPS_CLEAR_AT:

@@ -433,13 +433,22 @@ class BackgroundCompile:
         self.thread = threading.Thread(target=self._run, args=(list(executables), functions,
                                                               store),
                                        name="background-compile", daemon=True)
-        self.thread.start()
         # A daemon thread still inside an XLA compile when the interpreter
         # finalizes aborts the process (SIGABRT, "FATAL: exception not
         # rethrown"): a script that never shuts its LLM down waits for it.
+        # The thread unregisters this when it ends: the atexit entry holds
+        # ``functions``, so a worker dropped without a shutdown would
+        # otherwise keep every executable (and its memory maps) until exit.
         atexit.register(self._finish)
+        self.thread.start()
 
     def _run(self, executables, functions, store) -> None:
+        try:
+            self._compile(executables, functions, store)
+        finally:
+            atexit.unregister(self._finish)
+
+    def _compile(self, executables, functions, store) -> None:
         start = time.perf_counter()
         switch = _StoreSwitch(store)
         try:
