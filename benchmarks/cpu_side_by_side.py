@@ -32,13 +32,14 @@ the best of both). Floor = bandwidth / weight bytes (tokens/s); each leg's
 ratio = its batch-1 output tokens/s / floor (1.0 = at the roofline; the
 batch-1 run includes its 31-token prefill).
 
-``--quantized`` adds two batch-1 legs: jaxserve with ``quantization="int8"``
-(``jaxserve_int8``) and llama.cpp on a Q8_0 GGUF made from the F32 one by
-llama.cpp's own quantizer (``llama_cpp_q8_0``, ``llama_cpp_leg.q8_0_gguf``).
+``--quantized`` adds four batch-1 legs: jaxserve with ``quantization="int8"``
+(``jaxserve_int8``) and ``"int4"`` (``jaxserve_int4``), and llama.cpp on a Q8_0
+and a Q4_0 GGUF made from the F32 one by llama.cpp's own quantizer
+(``llama_cpp_q8_0``, ``llama_cpp_q4_0``, ``llama_cpp_leg.quantized_gguf``).
 Each has its own floor: bandwidth / the bytes of its quantized weights a
-token reads (``decode_roofline.weight_bytes(quantization="int8")``: int8
+token reads (``decode_roofline.weight_bytes(quantization=...)``: int8 / int4
 kernels plus float32 scales; ``llama_cpp_leg.gguf_decode_bytes``: the GGUF's
-Q8_0 blocks as stored), reported in ``roofline["floors"]``.
+blocks as stored), reported in ``roofline["floors"]``.
 
 Printed: a table, rows = workloads, columns = each engine's tokens/s and
 jaxserve's ratio to vLLM and to transformers (> 1: jaxserve is faster), the
@@ -64,10 +65,14 @@ logger = logging.getLogger(__name__)
 NAME = "cpu_side_by_side"
 DTYPE = "float32"
 ENGINES = ("jaxserve", "transformers", "vllm", "llama_cpp")
-QUANTIZED_ENGINES = ("jaxserve_int8", "llama_cpp_q8_0")  # --quantized, batch 1 only
+# --quantized, batch 1 only: jaxserve's method and the llama.cpp type it is compared with.
+QUANTIZED_PAIRS = (("int8", "Q8_0"), ("int4", "Q4_0"))
+QUANTIZED_ENGINES = tuple(e for method, kind in QUANTIZED_PAIRS
+                          for e in (f"jaxserve_{method}", f"llama_cpp_{kind.lower()}"))
 ENGINE_LABELS = {"jaxserve": "jaxserve", "transformers": "transformers", "vllm": "vLLM",
-                 "llama_cpp": "llama.cpp", "jaxserve_int8": "jaxserve int8",
-                 "llama_cpp_q8_0": "llama.cpp Q8_0"}
+                 "llama_cpp": "llama.cpp",
+                 **{f"jaxserve_{m}": f"jaxserve {m}" for m, _ in QUANTIZED_PAIRS},
+                 **{f"llama_cpp_{k.lower()}": f"llama.cpp {k}" for _, k in QUANTIZED_PAIRS}}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -243,24 +248,27 @@ def _llama_cpp(batch1: Case | None, gguf, why: str) -> dict[str, Any]:
 
 def _quantized_legs(args: argparse.Namespace, batch1: Case | None, model_dir: str, f32_gguf,
                     why: str) -> dict[str, Any]:
-    """The ``--quantized`` legs: jaxserve int8 and llama.cpp Q8_0, batch 1 each."""
+    """The ``--quantized`` legs: jaxserve int8 / int4 and llama.cpp Q8_0 / Q4_0, batch 1 each."""
     from benchmarks import jaxserve_leg
 
     if batch1 is None:
         return {e: {"error": "no batch1 workload (it runs batch 1 only)"}
                 for e in QUANTIZED_ENGINES}
-    options = jaxserve_leg.EngineOptions(max_num_seqs=args.max_num_seqs,
-                                         max_num_batched_tokens=args.max_num_batched_tokens,
-                                         dtype=DTYPE, attention_backend=args.attention_backend,
-                                         quantization="int8")
-    legs: dict[str, Any] = {"jaxserve_int8": jaxserve_leg.run_workloads(
-        {"batch1": batch1.workload}, model=model_dir, tokenizer=args.tokenizer,
-        options=options, seed=args.seed)}
-    legs["jaxserve_int8"]["engine_options"] = options.as_dict()
-    q8, q8_why = (None, why) if f32_gguf is None else llama_cpp_leg.q8_0_gguf(f32_gguf)
-    legs["llama_cpp_q8_0"] = _llama_cpp(batch1, q8, q8_why)
-    if q8 is not None:
-        legs["llama_cpp_q8_0"]["decode_bytes"] = llama_cpp_leg.gguf_decode_bytes(q8)
+    legs: dict[str, Any] = {}
+    for method, kind in QUANTIZED_PAIRS:
+        options = jaxserve_leg.EngineOptions(
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+            dtype=DTYPE, attention_backend=args.attention_backend, quantization=method)
+        legs[f"jaxserve_{method}"] = jaxserve_leg.run_workloads(
+            {"batch1": batch1.workload}, model=model_dir, tokenizer=args.tokenizer,
+            options=options, seed=args.seed)
+        legs[f"jaxserve_{method}"]["engine_options"] = options.as_dict()
+        gguf, gguf_why = ((None, why) if f32_gguf is None
+                          else llama_cpp_leg.quantized_gguf(f32_gguf, kind))
+        engine = f"llama_cpp_{kind.lower()}"
+        legs[engine] = _llama_cpp(batch1, gguf, gguf_why)
+        if gguf is not None:
+            legs[engine]["decode_bytes"] = llama_cpp_leg.gguf_decode_bytes(gguf)
     return legs
 
 
@@ -300,9 +308,11 @@ def summarize(cases: list[Case], legs: dict[str, Any], bandwidth: dict[str, Any]
                     "floor_tokens_per_s": floor}
         if len(names) > len(ENGINES):
             per_engine = {e: weights["decode_bytes"] for e in ENGINES}
-            per_engine["jaxserve_int8"] = decode_roofline.weight_bytes(
-                model_dir, itemsize=4, quantization="int8")["decode_bytes"]
-            per_engine["llama_cpp_q8_0"] = legs["llama_cpp_q8_0"].get("decode_bytes")
+            for method, kind in QUANTIZED_PAIRS:
+                per_engine[f"jaxserve_{method}"] = decode_roofline.weight_bytes(
+                    model_dir, itemsize=4, quantization=method)["decode_bytes"]
+                per_engine[f"llama_cpp_{kind.lower()}"] = legs.get(
+                    f"llama_cpp_{kind.lower()}", {}).get("decode_bytes")
             floors = {e: best * 1e9 / n if n else None for e, n in per_engine.items()}
             roofline["floors"] = {e: {"decode_bytes": per_engine[e],
                                       "floor_tokens_per_s": floors[e]} for e in names}

@@ -69,7 +69,9 @@ def weight_bytes(model_dir: str | pathlib.Path, itemsize: int = 4,
       quantization: "int8": jaxserve's weight-only int8 (``jaxserve.model.quantization``):
         every 2-D weight (the linear kernels, the embedding, the LM head) is 1 byte a
         parameter plus one float32 scale per output row (its first axis, HF's
-        ``[out, in]``); norms and biases stay at ``itemsize``.
+        ``[out, in]``); norms and biases stay at ``itemsize``. "int4": the same for the
+        embedding and the LM head, and the other 2-D weights (the decoder's kernels)
+        half a byte a parameter plus a float32 step and offset per 32 (0.75 bytes).
 
     Returns:
       ``{"decode_bytes", "all_bytes", "num_params"}``.
@@ -87,8 +89,13 @@ def weight_bytes(model_dir: str | pathlib.Path, itemsize: int = 4,
                 numel *= dim
             sizes[name] = numel
             shape = info["shape"]
-            stored[name] = (numel + 4 * shape[0] if quantization == "int8" and len(shape) == 2
-                            else numel * itemsize)
+            head = name.endswith(("embed_tokens.weight", "lm_head.weight"))
+            if quantization is None or len(shape) != 2:
+                stored[name] = numel * itemsize
+            elif quantization == "int8" or head:
+                stored[name] = numel + 4 * shape[0]
+            else:  # int4: packed values + (step, offset) f32 per 32 inputs
+                stored[name] = numel // 2 + 8 * (numel // 32)
     if not sizes:
         raise FileNotFoundError(f"no safetensors weights in {model_dir}")
     total = sum(sizes.values())

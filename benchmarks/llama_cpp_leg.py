@@ -14,11 +14,12 @@ One request: the prompt evaluated, then greedy tokens (``temp=0``) until
 the output length, end-of-sequence ignored; all cores (``n_threads``).
 Timed: prompt evaluation plus generation, like the other legs' batch-1 run.
 
-Q8_0 variant (``cpu_side_by_side --quantized``): ``q8_0_gguf`` makes a Q8_0
-GGUF from the F32 one with llama.cpp's own quantizer
-(``llama_cpp.llama_model_quantize``, ``LLAMA_FTYPE_MOSTLY_Q8_0``) and caches it
-beside it (``<name>.Q8_0.gguf``); ``gguf_decode_bytes`` gives the bytes of its
-quantized weights a batch-1 token reads (its bandwidth floor's numerator).
+Quantized variants (``cpu_side_by_side --quantized``): ``quantized_gguf`` makes a
+Q8_0 or Q4_0 GGUF from the F32 one with llama.cpp's own quantizer
+(``llama_cpp.llama_model_quantize``, ``LLAMA_FTYPE_MOSTLY_Q8_0`` / ``_Q4_0``, its
+default per-tensor choices) and caches it beside it (``<name>.Q8_0.gguf`` /
+``<name>.Q4_0.gguf``); ``gguf_decode_bytes`` gives the bytes of its quantized
+weights a batch-1 token reads (its bandwidth floor's numerator).
 """
 
 from __future__ import annotations
@@ -152,21 +153,31 @@ def available(gguf: str | None) -> tuple[pathlib.Path | None, str]:
     return path, why
 
 
-def q8_0_name(f32: pathlib.Path) -> str:
-    """The Q8_0 GGUF's file name beside the F32 one: ``X.F32.gguf`` -> ``X.Q8_0.gguf``."""
+# The quantized GGUF types made for ``cpu_side_by_side --quantized``: name → llama.cpp ftype.
+QUANTIZED_TYPES = {"Q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "Q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0"}
+
+
+def quantized_name(f32: pathlib.Path, kind: str = "Q8_0") -> str:
+    """The ``kind`` GGUF's file name beside the F32 one: ``X.F32.gguf`` -> ``X.<kind>.gguf``."""
     stem = f32.name[:-len(".gguf")] if f32.name.endswith(".gguf") else f32.stem
-    return f"{_QUANT_SUFFIX.sub('', stem)}.Q8_0.gguf"
+    return f"{_QUANT_SUFFIX.sub('', stem)}.{kind}.gguf"
 
 
-def q8_0_gguf(f32: pathlib.Path) -> tuple[pathlib.Path | None, str]:
-    """(the Q8_0 GGUF made from ``f32`` by llama.cpp's quantizer, "") or (None, why not).
+def quantized_gguf(f32: pathlib.Path, kind: str = "Q8_0") -> tuple[pathlib.Path | None, str]:
+    """(the ``kind`` GGUF (``QUANTIZED_TYPES``: Q8_0 or Q4_0) made from ``f32`` by llama.cpp's
+    quantizer with its default choices per tensor, "") or (None, why not).
 
-    Cached beside ``f32`` (``q8_0_name``): an existing file is used as it is.
+    Cached beside ``f32`` (``quantized_name``): an existing file is used as it is.
     Written to a temporary name and renamed, so a failure leaves no file.
+
+    Raises:
+      ValueError: an unknown ``kind``.
     """
+    if kind not in QUANTIZED_TYPES:
+        raise ValueError(f"kind must be one of {tuple(QUANTIZED_TYPES)}, got {kind!r}")
     if importlib.util.find_spec("llama_cpp") is None:
         return None, "llama_cpp (llama-cpp-python) is not importable here"
-    dest = f32.with_name(q8_0_name(f32))
+    dest = f32.with_name(quantized_name(f32, kind))
     if dest.is_file():
         return dest, ""
     import ctypes
@@ -175,14 +186,14 @@ def q8_0_gguf(f32: pathlib.Path) -> tuple[pathlib.Path | None, str]:
 
     tmp = dest.with_name(f"{dest.name}.{os.getpid()}.tmp")
     params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0
+    params.ftype = getattr(llama_cpp, QUANTIZED_TYPES[kind])
     params.nthread = os.cpu_count() or 1
-    logger.info("writing %s from %s (llama.cpp's quantizer, Q8_0)", dest.name, f32.name)
+    logger.info("writing %s from %s (llama.cpp's quantizer, %s)", dest.name, f32.name, kind)
     try:
         code = llama_cpp.llama_model_quantize(str(f32).encode(), str(tmp).encode(),
                                                  ctypes.byref(params))
         if code != 0:
-            return None, f"llama_model_quantize({f32}, Q8_0) returned {code}"
+            return None, f"llama_model_quantize({f32}, {kind}) returned {code}"
         os.replace(tmp, dest)
     finally:
         tmp.unlink(missing_ok=True)

@@ -1,15 +1,17 @@
-"""Weight-only int8 against float32: perplexity of a fixed text and decode tokens/s, side by side.
+"""Weight-only int8 and int4 against float32: perplexity of a fixed text and decode tokens/s,
+side by side in one run.
 
 Run: ``python -m benchmarks.quantization [--model DIR] [--new-tokens N]`` (default: the
-demo model; about two minutes on the 2-core CPU).
+demo model; about three minutes on the 2-core CPU).
 
-For each of float32 and int8 (``quantization="int8"``, ``jaxserve.model.quantization``):
+For each of float32, int8 and int4 (``quantization="int8"`` / ``"int4"``,
+``jaxserve.model.quantization``):
 
 - **perplexity** of ``TEXT`` (a fixed English paragraph, ~250 tokens of the demo
   tokenizer): one prefill of the whole text through the worker's step body
   (``run_body_logits``, the served model code), ``exp(-mean log p(token_i |
-  tokens_<i))`` over every token but the first. The delta int8 − float32 is the
-  quality cost of the quantization on this text.
+  tokens_<i))`` over every token but the first. The delta method − float32 (also
+  relative) is the quality cost of the quantization on this text.
 - **decode tokens/s** at batch 1 and 16: ``jaxserve.LLM`` (greedy,
   ``ignore_eos``), after a warm-up generation and the worker's background
   compiles, times ``generate`` of B short prompts (8 tokens) × ``--new-tokens``
@@ -17,10 +19,11 @@ For each of float32 and int8 (``quantization="int8"``, ``jaxserve.model.quantiza
   time (prefill of the short prompts included). The machine is shared: quote
   the load average recorded in the JSON with the numbers.
 
-Also reported: the fraction of the text's positions where the two models'
-most likely next token agrees (teacher-forced), how far the two runs' greedy outputs of the largest batch agree
-(identical sequences, mean common prefix), and the parameter bytes of each (int8 kernels + float32 scales against
-float32). Writes ``<results>/quantization.json``.
+Also reported, for each method against float32: the fraction of the text's positions
+where the two models' most likely next token agrees (teacher-forced), how far the two
+runs' greedy outputs of the largest batch agree (identical sequences, mean common
+prefix), the speed-up, and the parameter bytes of each (quantized kernels + float32
+scales against float32). Writes ``<results>/quantization.json``.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from benchmarks import common
 logger = logging.getLogger(__name__)
 
 NAME = "quantization"
-METHODS = (None, "int8")
+METHODS = (None, "int8", "int4")
 TEXT = (
     "The history of the printing press begins in the fifteenth century, when Johannes "
     "Gutenberg combined a screw press, oil-based ink and movable metal type into a system "
@@ -166,30 +169,41 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             args.repeats)
         result["methods"][name] = entry
         logger.info("%s: %s", name, entry)
-    f32, i8 = result["methods"]["float32"], result["methods"]["int8"]
-    result["perplexity_delta"] = i8["perplexity"] - f32["perplexity"]
-    result["greedy_agreement"] = greedy_agreement(outputs["float32"], outputs["int8"])
-    # teacher-forced: the two models' most likely next token at each position of the text
-    result["next_token_argmax_agreement"] = float((argmax["float32"] == argmax["int8"]).mean())
-    result["speedup"] = {k: i8["tokens_per_s"][k] / f32["tokens_per_s"][k]
-                         for k in f32["tokens_per_s"]}
+    f32 = result["methods"]["float32"]
+    result["against_float32"] = {}
+    for name in [m for m in METHODS if m is not None]:
+        entry = result["methods"][name]
+        result["against_float32"][name] = {
+            "perplexity_delta": entry["perplexity"] - f32["perplexity"],
+            "perplexity_delta_relative": entry["perplexity"] / f32["perplexity"] - 1,
+            "greedy_agreement": greedy_agreement(outputs["float32"], outputs[name]),
+            # teacher-forced: the two models' most likely next token at each position
+            "next_token_argmax_agreement": float((argmax["float32"] == argmax[name]).mean()),
+            "speedup": {k: entry["tokens_per_s"][k] / f32["tokens_per_s"][k]
+                        for k in f32["tokens_per_s"]}}
     result["environment"] = common.environment()
     return result
 
 
 def main(argv=None) -> int:
     _, result, path = common.run_cli(NAME, __doc__, add_arguments, run, argv)
-    print(f"{'':10} {'params MB':>10} {'perplexity':>11} "
-          + " ".join(f"{k + ' tok/s':>14}" for k in result["methods"]["float32"]["tokens_per_s"]))
+    batches = list(result["methods"]["float32"]["tokens_per_s"])
+    print("| method | params MB | perplexity (Δ vs f32) | argmax agreement | "
+          + " | ".join(f"{k.replace('_', ' ')} tok/s (× f32)" for k in batches)
+          + " | greedy identical / common prefix |")
+    print("|---" * (5 + len(batches)) + "|")
     for name, entry in result["methods"].items():
-        print(f"{name:10} {entry['param_bytes'] / 1e6:10.1f} {entry['perplexity']:11.3f} "
-              + " ".join(f"{v:14.1f}" for v in entry["tokens_per_s"].values()))
-    print(f"perplexity delta (int8 - float32): {result['perplexity_delta']:+.4f}; "
-          f"speed-up: {', '.join(f'{k} {v:.2f}x' for k, v in result['speedup'].items())}; "
-          f"next-token argmax agreement on the text "
-          f"{result['next_token_argmax_agreement']:.1%}; greedy outputs of the largest batch: "
-          f"{result['greedy_agreement']['identical']:.0%} identical, common prefix "
-          f"{result['greedy_agreement']['mean_common_prefix']:.0%}; written to {path}")
+        cmp = result["against_float32"].get(name)
+        delta = ("" if cmp is None else f" ({cmp['perplexity_delta']:+.3f}, "
+                 f"{cmp['perplexity_delta_relative']:+.1%})")
+        speeds = " | ".join(f"{v:.1f}" + ("" if cmp is None else f" ({cmp['speedup'][k]:.2f}×)")
+                            for k, v in entry["tokens_per_s"].items())
+        agree = "—" if cmp is None else f"{cmp['next_token_argmax_agreement']:.1%}"
+        greedy = ("—" if cmp is None else f"{cmp['greedy_agreement']['identical']:.0%} / "
+                  f"{cmp['greedy_agreement']['mean_common_prefix']:.0%}")
+        print(f"| {name} | {entry['param_bytes'] / 1e6:.1f} | {entry['perplexity']:.3f}{delta} | "
+              f"{agree} | {speeds} | {greedy} |")
+    print(f"written to {path}")
     return 0
 
 

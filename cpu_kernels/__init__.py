@@ -9,7 +9,9 @@ results are ``pallas_kernels.ragged_paged_attention_reference``'s.
 float32 products of at most ``MATMUL_MAX_ROWS`` rows on the CPU; the same code
 instantiated for int8 kernels with a float32 scale per output channel
 (``matmul_i8``, weight-only int8: ``jaxserve.model.quantization``) runs every
-product of an int8 kernel on the CPU, at any row count.
+product of an int8 kernel on the CPU, at any row count, and instantiated for
+packed int4 kernels with a float32 step and offset per group of inputs
+(``matmul_i4``, group-wise int4) every product of an int4 kernel.
 
 Both are compiled into one library once per machine with the system C++ compiler (``$CXX``,
 else ``g++``), ``-O3 -march=native``, against the XLA FFI headers that ship with
@@ -47,6 +49,7 @@ HEADERS = (pathlib.Path(__file__).with_name("parallel.h"),)
 TARGET = "jaxserve_paged_attention_f32"
 MATMUL_TARGET = "jaxserve_matmul_f32"
 MATMUL_I8_TARGET = "jaxserve_matmul_i8"
+MATMUL_I4_TARGET = "jaxserve_matmul_i4"
 # Products of at most this many rows run the C++ kernel; beyond, XLA's own
 # (YNNPACK), which was level at 256 rows and faster at 512. Measured on the demo
 # model's shapes, 2 cores: a 30-layer chain of its four products plus the LM head,
@@ -126,6 +129,8 @@ def _load() -> str | None:
         jax.ffi.register_ffi_target(MATMUL_TARGET, jax.ffi.pycapsule(lib.JaxserveMatmulF32),
                                     platform="cpu")
         jax.ffi.register_ffi_target(MATMUL_I8_TARGET, jax.ffi.pycapsule(lib.JaxserveMatmulI8),
+                                    platform="cpu")
+        jax.ffi.register_ffi_target(MATMUL_I4_TARGET, jax.ffi.pycapsule(lib.JaxserveMatmulI4),
                                     platform="cpu")
     except (OSError, RuntimeError, AttributeError) as err:
         logger.warning("CPU kernels unavailable, using the jnp attention reference and XLA's "
@@ -236,3 +241,50 @@ def matmul_i8_reference(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Arr
     [..., N] of x's dtype, ``(x @ q.T as x's dtype) * scale``."""
     out = jax.lax.dot_general(x, q.astype(x.dtype), (((x.ndim - 1,), (1,)), ((), ())))
     return (out * scale).astype(x.dtype)
+
+
+def matmul_i4(x: jax.Array, packed: jax.Array, scale: jax.Array) -> jax.Array:
+    """x f32[..., K] times a packed int4 kernel (packed u8[N, K / 2], scale f32[N, K / G, 2])
+    → f32[..., N], by the C++ kernel: ``x @ w.T`` with
+    ``w[n, k] = q[n, k] · scale[n, k / G, 0] + scale[n, k / G, 1]`` (step, offset), each 16
+    int4 values widened and scaled in float32 registers.
+
+    The layout is ``jaxserve.model.quantization``'s int4 (llama.cpp Q4_0 / Q4_1's
+    nibble order); G, the group size, is K / scale.shape[1]. The product
+    ``jaxserve.model.llama.linear`` runs for every int4 kernel on the CPU; agrees with
+    ``matmul_i4_reference`` to float32 rounding (another summation order).
+
+    Raises:
+      RuntimeError: the kernels could not be built (``available()`` is False).
+      ValueError: packed is not [N, K / 2] or scale not [N, K / G, 2] with G a power of
+        two >= 32 dividing K, or a dtype is not float32 / uint8 / float32.
+    """
+    k = x.shape[-1]
+    groups = scale.shape[1] if scale.ndim == 3 else 0
+    group = k // groups if groups else 0
+    if (packed.ndim != 2 or scale.ndim != 3 or scale.shape[2] != 2 or 2 * packed.shape[1] != k
+            or scale.shape[0] != packed.shape[0] or (k and (groups == 0 or group * groups != k
+                                                           or group < 32 or group & (group - 1)))):
+        raise ValueError(f"matmul_i4: x [..., K], packed [N, K / 2] and scale [N, K / G, 2] with G "
+                         f"a power of two >= 32 expected, got {x.shape}, {packed.shape} and "
+                         f"{scale.shape}")
+    if x.dtype != jnp.float32 or packed.dtype != jnp.uint8 or scale.dtype != jnp.float32:
+        raise ValueError(f"matmul_i4: float32, uint8 and float32 operands expected, got "
+                         f"{x.dtype}, {packed.dtype} and {scale.dtype}")
+    why = _load()
+    if why is not None:
+        raise RuntimeError(f"the CPU kernels are unavailable: {why}")
+    rows = x.reshape(math.prod(x.shape[:-1]), k)
+    out = jax.ffi.ffi_call(MATMUL_I4_TARGET, jax.ShapeDtypeStruct((rows.shape[0], packed.shape[0]),
+                                                                  jnp.float32))(rows, packed, scale)
+    return out.reshape(*x.shape[:-1], packed.shape[0])
+
+
+def matmul_i4_reference(x: jax.Array, packed: jax.Array, scale: jax.Array) -> jax.Array:
+    """``matmul_i4``'s contract in jnp (any platform): x [..., K], packed u8[N, K / 2],
+    scale f32[N, K / G, 2] → [..., N] of x's dtype, x times the dequantized kernel
+    (``jaxserve.model.quantization.dequantize``, as x's dtype) transposed."""
+    from jaxserve.model.quantization import dequantize
+
+    w = dequantize(packed, scale, x.dtype)  # [N, K]
+    return jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())))

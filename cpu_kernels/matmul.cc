@@ -1,15 +1,26 @@
 // Matrix products for the CPU, float32 activations: XLA FFI custom calls.
 //
 // y[M, N] = x[M, K] · w[N, K]ᵀ, the kernel stored [out, in] as the model
-// stores it (jaxserve.model.llama.linear). Two handlers share the code, a
-// template on the kernel's element type:
+// stores it (jaxserve.model.llama.linear). Three handlers share the code, a
+// template on the kernel's format (a "weights" view: F32Weights, I8Weights,
+// I4Weights below), which says how 16 consecutive elements of a row of w
+// become float32 lanes:
 // - jaxserve_matmul_f32: w float32;
 // - jaxserve_matmul_i8: w int8 with a float32 scale per output channel,
 //   y[m, n] = (Σ_k x[m, k] · w[n, k]) · scale[n] (weight-only int8,
 //   jaxserve.model.quantization). The int8 values are widened to float32 in
 //   registers as they are loaded (16 at a time) and the scale is applied once
 //   per output, so the kernel streams a quarter of the float32 bytes and no
-//   float copy of w exists. Made for the 1..128 rows of a decode
+//   float copy of w exists.
+// - jaxserve_matmul_i4: w int4, packed two per byte in llama.cpp Q4_0 / Q4_1's
+//   order (each run of 32 inputs is 16 bytes, byte j = input j in the low
+//   nibble, input j + 16 in the high one), with a float32 step and offset per
+//   group of G inputs (a power of two >= 32) and output channel:
+//   w[n, k] = q · scale[n, k / G, 0] + scale[n, k / G, 1]
+//   (jaxserve.model.quantization). Each 16 values are widened and scaled in
+//   registers (one multiply-add), so the kernel streams 6/32 of the float32
+//   bytes (step and offset included).
+// Made for the 1..128 rows of a decode
 // step or a small prefill chunk, where XLA's CPU backend (YNNPACK from M = 2)
 // is far from the speed of streaming the weights (few rows) or repacks the
 // whole weight for every product (more rows). Two forms, both reading w in
@@ -19,13 +30,16 @@
 //   along K, 16 lanes at a time. A register block of kRowBlock rows of x times
 //   kColBlock rows of w keeps kRowBlock·kColBlock vector accumulators (24 of the
 //   32 AVX-512 registers) and reduces each across its lanes once at the end. A
-//   block of w (kColBlock·K floats) is read from memory once and reused from L1
+//   block of w (kColBlock rows) is read from memory once and reused from L1
 //   for every row block of x. While one block is used, the next one is
 //   prefetched into L2, spread evenly over the block's multiply-adds, so that
 //   memory traffic overlaps arithmetic.
 // - From kOuterMinRows rows, the outer-product form (below): x is transposed
 //   so that 16 rows are one vector, and each multiply-add takes a broadcast
-//   element of w.
+//   element of w (int4: of a float32 copy of the chunk of w in use, see there).
+//
+// Without AVX-512 the same code is compiled from GCC's generic vector
+// extensions (the portable fallback).
 //
 // Work items run on XLA's intra-op thread pool (parallel.h). The sums run in
 // another order than XLA's, so results agree with XLA's product to float32
@@ -59,6 +73,8 @@ typedef int32_t I16 __attribute__((vector_size(64), aligned(64)));
 typedef float V16u __attribute__((vector_size(64), aligned(4), may_alias));
 typedef int8_t I8x16u __attribute__((vector_size(16), aligned(1), may_alias));
 
+typedef uint8_t U8x16u __attribute__((vector_size(16), aligned(1), may_alias));
+
 // 16 consecutive kernel elements as float32 lanes (int8 widened in registers).
 inline V16 Load16(const float* p) { return *reinterpret_cast<const V16u*>(p); }
 inline V16 Load16(const int8_t* p) {
@@ -72,10 +88,94 @@ inline V16 Load16(const int8_t* p) {
 #endif
 }
 
-// The output's scale: none for float32 kernels (nullptr), scale[n] for int8 ones.
-inline float Scaled(float s, const float* scale, int64_t n) {
-  return scale == nullptr ? s : s * scale[n];
+// 16 bytes' low (high = false) or high nibbles as int32 lanes, 0..15.
+inline I16 Nibbles16(const uint8_t* p, bool high) {
+#ifdef __AVX512F__
+  __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  if (high) b = _mm512_srli_epi32(b, 4);
+  return reinterpret_cast<I16>(_mm512_and_si512(b, _mm512_set1_epi32(15)));
+#else
+  const I16 b = __builtin_convertvector(*reinterpret_cast<const U8x16u*>(p), I16);
+  return (high ? b >> 4 : b) & 15;
+#endif
 }
+
+// The kernel formats. Each view reads w[n, k] of a kernel [N, K]: Load16(n, k) the
+// 16 elements from k (k a multiple of 16 below K & ~15) as float32 lanes, At(n, k)
+// one element, Out(sum, n) the finished output (the per-channel scale, if any),
+// Bytes(n) where row n starts and RowBytes() its size (for prefetching). A view with
+// kPairs (int4) also has Load32(n, k, lo, hi): the 32 elements from k (a multiple of
+// 32; K is one too) in two vectors, from one load — the dot form then steps 32 at a
+// time.
+struct F32Weights {
+  const float* w;
+  int64_t K;
+  static constexpr bool kPairs = false;
+  // Whether the outer-product form reads a float32 copy of each chunk (below).
+  static constexpr bool kCopyChunks = false;
+  V16 Load16(int64_t n, int64_t k) const { return ::Load16(w + n * K + k); }
+  float At(int64_t n, int64_t k) const { return w[n * K + k]; }
+  float Out(float s, int64_t) const { return s; }
+  const char* Bytes(int64_t n) const { return reinterpret_cast<const char*>(w + n * K); }
+  int64_t RowBytes() const { return K * static_cast<int64_t>(sizeof(float)); }
+};
+
+struct I8Weights {
+  const int8_t* w;
+  const float* scale;  // [N]
+  int64_t K;
+  static constexpr bool kPairs = false;
+  static constexpr bool kCopyChunks = false;
+  V16 Load16(int64_t n, int64_t k) const { return ::Load16(w + n * K + k); }
+  float At(int64_t n, int64_t k) const { return static_cast<float>(w[n * K + k]); }
+  float Out(float s, int64_t n) const { return s * scale[n]; }
+  const char* Bytes(int64_t n) const { return reinterpret_cast<const char*>(w + n * K); }
+  int64_t RowBytes() const { return K; }
+};
+
+struct I4Weights {
+  const uint8_t* w;    // [N, K / 2]
+  const float* scale;  // [N, K >> group_shift, 2]: (step, offset) per group
+  int64_t K;
+  int group_shift;     // log2 of the group size
+  // Widening one value per broadcast would cost the outer form several scalar
+  // instructions per multiply-add: it reads float32 copies of its chunks instead.
+  static constexpr bool kCopyChunks = true;
+  static constexpr bool kPairs = true;
+  const float* Group(int64_t n, int64_t k) const {
+    return scale + 2 * (n * (K >> group_shift) + (k >> group_shift));
+  }
+  V16 Load16(int64_t n, int64_t k) const {
+    const I16 q = Nibbles16(w + (n * K + (k & ~int64_t{31})) / 2, (k & 16) != 0);
+    const float* g = Group(n, k);
+    return __builtin_convertvector(q, V16) * g[0] + g[1];  // one multiply-add
+  }
+  // One 16-byte load: the low nibbles are elements k..k+15, the high ones k+16..k+31.
+  void Load32(int64_t n, int64_t k, V16& lo, V16& hi) const {
+    const uint8_t* p = w + (n * K + k) / 2;
+    const float* g = Group(n, k);
+#ifdef __AVX512F__
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m512 step = _mm512_set1_ps(g[0]), offset = _mm512_set1_ps(g[1]);
+    lo = reinterpret_cast<V16>(_mm512_fmadd_ps(
+        _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15))), step, offset));
+    hi = reinterpret_cast<V16>(
+        _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), step, offset));
+#else
+    const I16 b = __builtin_convertvector(*reinterpret_cast<const U8x16u*>(p), I16);
+    lo = __builtin_convertvector(b & 15, V16) * g[0] + g[1];
+    hi = __builtin_convertvector(b >> 4, V16) * g[0] + g[1];
+#endif
+  }
+  float At(int64_t n, int64_t k) const {
+    const uint8_t b = w[(n * K + (k & ~int64_t{31})) / 2 + (k & 15)];
+    const float* g = Group(n, k);
+    return static_cast<float>((k & 16) ? b >> 4 : b & 15) * g[0] + g[1];
+  }
+  float Out(float s, int64_t) const { return s; }
+  const char* Bytes(int64_t n) const { return reinterpret_cast<const char*>(w + n * K / 2); }
+  int64_t RowBytes() const { return K / 2; }
+};
 
 inline float LaneSum(V16 v) {
   const I16 h8 = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};
@@ -106,18 +206,40 @@ void ForEachItemClaimingAhead(std::atomic<int64_t>& counter, int64_t num_items, 
   }
 }
 
-// y[i, j] = x[i, :] · w[j, :] (· scale[j]) for i < MB rows, j < kColBlock columns.
+// y[i, j] = x[i, :] · w[n + j, :] (the view's Out applied) for i < MB rows, j < kColBlock
+// columns.
 template <int MB, typename W>
-inline void Block(const float* x, const W* w, const float* scale, float* y, int64_t K, int64_t N,
+inline void Block(const float* x, const W& w, int64_t n, float* y, int64_t K, int64_t N,
                   Prefetch& pf) {
   V16 acc[MB][kColBlock] = {};
+  if constexpr (W::kPairs) {  // K is a multiple of 32
+    for (int64_t k = 0; k < K; k += 32) {
+      for (int64_t l = 0; l < 2 * pf.lines_per_step && pf.next < pf.end; ++l, pf.next += kLine)
+        __builtin_prefetch(pf.next, 0, 1);  // locality 1: into L2
+      // Column by column (two vectors of w each), x read from L1: 24 accumulators, 2
+      // columns' vectors and x's fit the 32 registers.
+#pragma GCC unroll 16
+      for (int j = 0; j < kColBlock; ++j) {
+        V16 lo, hi;
+        w.Load32(n + j, k, lo, hi);
+#pragma GCC unroll 16
+        for (int i = 0; i < MB; ++i) {
+          acc[i][j] += *reinterpret_cast<const V16u*>(x + i * K + k) * lo;
+          acc[i][j] += *reinterpret_cast<const V16u*>(x + i * K + k + 16) * hi;
+        }
+      }
+    }
+    for (int i = 0; i < MB; ++i)
+      for (int j = 0; j < kColBlock; ++j) y[i * N + j] = w.Out(LaneSum(acc[i][j]), n + j);
+    return;
+  }
   const int64_t k16 = K & ~int64_t{15};
   for (int64_t k = 0; k < k16; k += 16) {
     for (int64_t l = 0; l < pf.lines_per_step && pf.next < pf.end; ++l, pf.next += kLine)
       __builtin_prefetch(pf.next, 0, 1);  // locality 1: into L2
     V16 wv[kColBlock];
 #pragma GCC unroll 16
-    for (int j = 0; j < kColBlock; ++j) wv[j] = Load16(w + j * K + k);
+    for (int j = 0; j < kColBlock; ++j) wv[j] = w.Load16(n + j, k);
 #pragma GCC unroll 16
     for (int i = 0; i < MB; ++i) {
       const V16 xv = *reinterpret_cast<const V16u*>(x + i * K + k);
@@ -128,16 +250,30 @@ inline void Block(const float* x, const W* w, const float* scale, float* y, int6
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < kColBlock; ++j) {
       float s = LaneSum(acc[i][j]);
-      for (int64_t k = k16; k < K; ++k) s += x[i * K + k] * static_cast<float>(w[j * K + k]);
-      y[i * N + j] = Scaled(s, scale, j);
+      for (int64_t k = k16; k < K; ++k) s += x[i * K + k] * w.At(n + j, k);
+      y[i * N + j] = w.Out(s, n + j);
     }
+}
+
+// Block over `rows` rows of x (from x) and the columns n.. of w, into y.
+template <typename W>
+inline void RowBlocks(const float* x, const W& w, int64_t n, float* y, int64_t rows, int64_t K,
+                      int64_t N, Prefetch& pf) {
+  int64_t m = 0;
+  for (; m + kRowBlock <= rows; m += kRowBlock, x += kRowBlock * K, y += kRowBlock * N)
+    Block<kRowBlock>(x, w, n, y, K, N, pf);
+  switch (rows - m) {
+    case 3: Block<3>(x, w, n, y, K, N, pf); break;
+    case 2: Block<2>(x, w, n, y, K, N, pf); break;
+    case 1: Block<1>(x, w, n, y, K, N, pf); break;
+    default: break;
+  }
 }
 
 template <typename W>
 struct Problem {
   const float* x;
-  const W* w;
-  const float* scale;  // f32[N] for int8 kernels, nullptr for float32 ones
+  W w;
   float* y;
   int64_t M, N, K;
   int64_t col_items;  // items along N
@@ -146,39 +282,26 @@ struct Problem {
 // Runs `item`; its last block of w prefetches `after` (the first block of the
 // thread's next item, or nothing).
 template <typename W>
-void RunItem(const Problem<W>& p, int64_t item, const W* after) {
+void RunItem(const Problem<W>& p, int64_t item, const char* after) {
   const int64_t m0 = item / p.col_items * kRowsPerItem, m1 = std::min(p.M, m0 + kRowsPerItem);
   const int64_t n0 = item % p.col_items * kColsPerItem, n1 = std::min(p.N, n0 + kColsPerItem);
-  const int64_t block_bytes = kColBlock * p.K * static_cast<int64_t>(sizeof(W));
+  const int64_t block_bytes = kColBlock * p.w.RowBytes();
   const int64_t steps = (m1 - m0 + kRowBlock - 1) / kRowBlock * std::max<int64_t>(p.K / 16, 1);
   const int64_t lines_per_step = ((block_bytes + kLine - 1) / kLine + steps - 1) / steps;
-  const char* w_end = reinterpret_cast<const char*>(p.w + p.N * p.K);
+  const char* w_end = p.w.Bytes(p.N);
   int64_t n = n0;
   for (; n + kColBlock <= n1; n += kColBlock) {
-    const W* w = p.w + n * p.K;
-    const float* scale = p.scale == nullptr ? nullptr : p.scale + n;
-    const char* next = n + 2 * kColBlock <= n1 ? reinterpret_cast<const char*>(w) + block_bytes
-                                               : reinterpret_cast<const char*>(after);
+    const char* next = n + 2 * kColBlock <= n1 ? p.w.Bytes(n) + block_bytes : after;
     Prefetch pf{next, next == nullptr ? nullptr : next + std::min(block_bytes, w_end - next),
                 lines_per_step};
-    const float* x = p.x + m0 * p.K;
     float* y = p.y + m0 * p.N + n;
-    int64_t m = m0;
-    for (; m + kRowBlock <= m1; m += kRowBlock, x += kRowBlock * p.K, y += kRowBlock * p.N)
-      Block<kRowBlock>(x, w, scale, y, p.K, p.N, pf);
-    switch (m1 - m) {
-      case 3: Block<3>(x, w, scale, y, p.K, p.N, pf); break;
-      case 2: Block<2>(x, w, scale, y, p.K, p.N, pf); break;
-      case 1: Block<1>(x, w, scale, y, p.K, p.N, pf); break;
-      default: break;
-    }
+    RowBlocks(p.x + m0 * p.K, p.w, n, y, m1 - m0, p.K, p.N, pf);
   }
   for (; n < n1; ++n)  // columns past the last whole block
     for (int64_t m = m0; m < m1; ++m) {
       float s = 0.0f;
-      for (int64_t k = 0; k < p.K; ++k)
-        s += p.x[m * p.K + k] * static_cast<float>(p.w[n * p.K + k]);
-      p.y[m * p.N + n] = Scaled(s, p.scale, n);
+      for (int64_t k = 0; k < p.K; ++k) s += p.x[m * p.K + k] * p.w.At(n, k);
+      p.y[m * p.N + n] = p.w.Out(s, n);
     }
 }
 
@@ -214,9 +337,10 @@ constexpr int64_t kChunkK = 128;
 // form 51.1 / 63.1 ms.
 constexpr int64_t kOuterMinRows = 32;
 
-// acc[i][j] (rows 16i.., column j) += xt[k, 16i..] · w[j, k] over k < kc.
-template <int NV, int NC, typename W>
-inline void OuterBlock(const float* xt, const W* w, int64_t K, int64_t kc, V16* acc,
+// acc[i][j] (rows 16i.., column j) += xt[k, 16i..] · w[j·K + k] over k < kc, w's elements
+// (float32 or int8) widened to float32.
+template <int NV, int NC, typename E>
+inline void OuterBlock(const float* xt, const E* w, int64_t K, int64_t kc, V16* acc,
                        Prefetch& pf) {
   V16 a[NV][NC];
 #pragma GCC unroll 16
@@ -243,8 +367,8 @@ inline void OuterBlock(const float* xt, const W* w, int64_t K, int64_t kc, V16* 
     for (int j = 0; j < NC; ++j) acc[i * kOuterCols + j] = a[i][j];
 }
 
-template <int NV, typename W>
-inline void OuterBlockCols(int nc, const float* xt, const W* w, int64_t K, int64_t kc,
+template <int NV, typename E>
+inline void OuterBlockCols(int nc, const float* xt, const E* w, int64_t K, int64_t kc,
                            V16* acc, Prefetch& pf) {
   switch (nc) {
     case 6: OuterBlock<NV, 6>(xt, w, K, kc, acc, pf); break;
@@ -261,8 +385,7 @@ struct OuterProblem {
   const float* xt;  // [row_blocks][K][kOuterRows]
   int64_t block_rows;  // rows per row block (a multiple of 16, at most kOuterRows)
   int64_t row_blocks;
-  const W* w;
-  const float* scale;  // f32[N] for int8 kernels, nullptr for float32 ones
+  W w;
   float* y;
   int64_t M, N, K;
   int64_t col_items;
@@ -280,6 +403,17 @@ OuterItem OuterItemAt(const OuterProblem<W>& p, int64_t item) {
   return {item % p.row_blocks, n0, std::min(p.N, n0 + kOuterColsPerItem)};
 }
 
+template <typename E>
+inline void RunOuterBlock(int nv, int nc, const float* xt, const E* w, int64_t K, int64_t kc,
+                          V16* acc, Prefetch& pf) {
+  switch (nv) {
+    case 4: OuterBlockCols<4>(nc, xt, w, K, kc, acc, pf); break;
+    case 3: OuterBlockCols<3>(nc, xt, w, K, kc, acc, pf); break;
+    case 2: OuterBlockCols<2>(nc, xt, w, K, kc, acc, pf); break;
+    default: OuterBlockCols<1>(nc, xt, w, K, kc, acc, pf); break;
+  }
+}
+
 // Runs `item`, prefetching [pf_begin, pf_end) (the next item's columns of w) over its work.
 template <typename W>
 void RunOuterItem(const OuterProblem<W>& p, const OuterItem& it, const char* pf_begin,
@@ -291,18 +425,21 @@ void RunOuterItem(const OuterProblem<W>& p, const OuterItem& it, const char* pf_
   const int64_t lines = (pf_end - pf_begin + kLine - 1) / kLine;
   Prefetch pf{pf_begin, pf_end, (lines + steps - 1) / std::max<int64_t>(steps, 1)};
   V16 acc[kOuterBlocks][kOuterVecs * kOuterCols] = {};
+  // Formats with kCopyChunks (int4): K is a multiple of 32, so kc of 16.
+  alignas(64) float chunk[W::kCopyChunks ? kOuterCols * kChunkK : 1];
   const float* xt_block = p.xt + it.rb * p.K * kOuterRows;
   for (int64_t k0 = 0; k0 < p.K; k0 += kChunkK) {
     const int64_t kc = std::min(kChunkK, p.K - k0);
     const float* xt = xt_block + k0 * kOuterRows;
     for (int64_t b = 0, n = it.n0; n < it.n1; ++b, n += kOuterCols) {
       const int nc = static_cast<int>(std::min<int64_t>(kOuterCols, it.n1 - n));
-      const W* w = p.w + n * p.K + k0;
-      switch (nv) {
-        case 4: OuterBlockCols<4>(nc, xt, w, p.K, kc, acc[b], pf); break;
-        case 3: OuterBlockCols<3>(nc, xt, w, p.K, kc, acc[b], pf); break;
-        case 2: OuterBlockCols<2>(nc, xt, w, p.K, kc, acc[b], pf); break;
-        default: OuterBlockCols<1>(nc, xt, w, p.K, kc, acc[b], pf); break;
+      if constexpr (W::kCopyChunks) {  // float32 copy of w[n.., k0..]: [nc][kChunkK]
+        for (int j = 0; j < nc; ++j)
+          for (int64_t k = 0; k < kc; k += 16)
+            *reinterpret_cast<V16*>(chunk + j * kChunkK + k) = p.w.Load16(n + j, k0 + k);
+        RunOuterBlock(nv, nc, xt, static_cast<const float*>(chunk), kChunkK, kc, acc[b], pf);
+      } else {
+        RunOuterBlock(nv, nc, xt, p.w.w + n * p.K + k0, p.K, kc, acc[b], pf);
       }
     }
   }
@@ -310,8 +447,7 @@ void RunOuterItem(const OuterProblem<W>& p, const OuterItem& it, const char* pf_
     const int64_t nc = std::min<int64_t>(kOuterCols, it.n1 - n);
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t j = 0; j < nc; ++j)
-        p.y[(m0 + r) * p.N + n + j] =
-            Scaled(acc[b][(r / 16) * kOuterCols + j][r % 16], p.scale, n + j);
+        p.y[(m0 + r) * p.N + n + j] = p.w.Out(acc[b][(r / 16) * kOuterCols + j][r % 16], n + j);
   }
 }
 
@@ -345,8 +481,8 @@ void TransposeRows(const float* x, float* xt, int64_t M, int64_t K, int64_t bloc
 }
 
 template <typename W>
-ffi::Error MatmulOuter(ffi::ThreadPool& pool, const float* x, const W* w, const float* scale,
-                       float* y, int64_t M, int64_t N, int64_t K) {
+ffi::Error MatmulOuter(ffi::ThreadPool& pool, const float* x, const W& w, float* y, int64_t M,
+                       int64_t N, int64_t K) {
   struct Shared {
     OuterProblem<W> p;
     std::unique_ptr<float, decltype(&std::free)> xt{nullptr, &std::free};
@@ -364,8 +500,8 @@ ffi::Error MatmulOuter(ffi::ThreadPool& pool, const float* x, const W* w, const 
   shared->xt.reset(xt);
   TransposeRows(x, xt, M, K, block_rows, row_blocks);
   OuterProblem<W>& p = shared->p;
-  p = OuterProblem<W>{xt, block_rows, row_blocks, w, scale, y, M, N, K,
-                   (N + kOuterColsPerItem - 1) / kOuterColsPerItem};
+  p = OuterProblem<W>{xt, block_rows, row_blocks, w, y, M, N, K,
+                      (N + kOuterColsPerItem - 1) / kOuterColsPerItem};
   shared->num_items = p.col_items * row_blocks;
   // Each thread claims its next item before it runs the current one, and
   // prefetches the next item's columns of w meanwhile (unless the current one
@@ -378,8 +514,8 @@ ffi::Error MatmulOuter(ffi::ThreadPool& pool, const float* x, const W* w, const 
       if (next < shared->num_items) {
         const OuterItem nx = OuterItemAt(p, next);
         if (nx.n0 != it.n0) {
-          pf_begin = reinterpret_cast<const char*>(p.w + nx.n0 * p.K);
-          pf_end = reinterpret_cast<const char*>(p.w + nx.n1 * p.K);
+          pf_begin = p.w.Bytes(nx.n0);
+          pf_end = p.w.Bytes(nx.n1);
         }
       }
       RunOuterItem(p, it, pf_begin, pf_end);
@@ -389,13 +525,13 @@ ffi::Error MatmulOuter(ffi::ThreadPool& pool, const float* x, const W* w, const 
   return ffi::Error::Success();
 }
 
-// y[M, N] = x[M, K] · w[N, K]ᵀ (· scale[N] when scale is not nullptr), either form by M.
+// y[M, N] = x[M, K] · w[N, K]ᵀ (w a weights view), either form by M.
 template <typename W>
-ffi::Error MatmulImpl(ffi::ThreadPool& pool, const float* x, const W* w, const float* scale,
-                      float* y, int64_t M, int64_t N, int64_t K) {
+ffi::Error MatmulImpl(ffi::ThreadPool& pool, const float* x, const W& w, float* y, int64_t M,
+                      int64_t N, int64_t K) {
   // The outer form's gathers take 32-bit offsets (row · K within 16 rows).
   if (M >= kOuterMinRows && K > 0 && N > 0 && K <= INT32_MAX / 16)
-    return MatmulOuter<W>(pool, x, w, scale, y, M, N, K);
+    return MatmulOuter<W>(pool, x, w, y, M, N, K);
   struct Shared {
     Problem<W> p;
     int64_t num_items;
@@ -405,7 +541,6 @@ ffi::Error MatmulImpl(ffi::ThreadPool& pool, const float* x, const W* w, const f
   Problem<W>& p = shared->p;
   p.x = x;
   p.w = w;
-  p.scale = scale;
   p.y = y;
   p.M = M;
   p.K = K;
@@ -417,8 +552,8 @@ ffi::Error MatmulImpl(ffi::ThreadPool& pool, const float* x, const W* w, const f
   auto work = [shared] {
     const Problem<W>& p = shared->p;
     ForEachItemClaimingAhead(shared->next, shared->num_items, [&](int64_t i, int64_t next) {
-      const W* after = nullptr;
-      if (next < shared->num_items) after = p.w + next % p.col_items * kColsPerItem * p.K;
+      const char* after = nullptr;
+      if (next < shared->num_items) after = p.w.Bytes(next % p.col_items * kColsPerItem);
       RunItem(p, i, after);
     });
   };
@@ -432,8 +567,8 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
   if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2 || xd[1] != wd[1] || yd[0] != xd[0] ||
       yd[1] != wd[0])
     return ffi::Error::InvalidArgument("matmul: x [M, K], w [N, K], y [M, N]");
-  return MatmulImpl<float>(pool, x.typed_data(), w.typed_data(), nullptr, y->typed_data(), xd[0],
-                           wd[0], xd[1]);
+  return MatmulImpl(pool, x.typed_data(), F32Weights{w.typed_data(), xd[1]}, y->typed_data(),
+                    xd[0], wd[0], xd[1]);
 }
 
 ffi::Error MatmulI8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
@@ -442,8 +577,26 @@ ffi::Error MatmulI8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
   if (xd.size() != 2 || wd.size() != 2 || sd.size() != 1 || yd.size() != 2 || xd[1] != wd[1] ||
       sd[0] != wd[0] || yd[0] != xd[0] || yd[1] != wd[0])
     return ffi::Error::InvalidArgument("matmul_i8: x [M, K], w [N, K], scale [N], y [M, N]");
-  return MatmulImpl<int8_t>(pool, x.typed_data(), w.typed_data(), scale.typed_data(),
-                            y->typed_data(), xd[0], wd[0], xd[1]);
+  return MatmulImpl(pool, x.typed_data(), I8Weights{w.typed_data(), scale.typed_data(), xd[1]},
+                    y->typed_data(), xd[0], wd[0], xd[1]);
+}
+
+ffi::Error MatmulI4(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
+                    ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions(), wd = w.dimensions(), sd = scale.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || sd.size() != 3 || yd.size() != 2 ||
+      xd[1] != 2 * wd[1] || xd[1] % 32 != 0 || sd[0] != wd[0] || sd[2] != 2 ||
+      yd[0] != xd[0] || yd[1] != wd[0])
+    return ffi::Error::InvalidArgument(
+        "matmul_i4: x [M, K], w [N, K / 2], scale [N, K / G, 2], y [M, N], K a multiple of 32");
+  const int64_t K = xd[1], groups = sd[1];
+  int shift = 0;  // log2 of the group size K / groups, a power of two >= 32
+  while (shift < 62 && (int64_t{1} << shift) * groups < K) ++shift;
+  if (K > 0 && (groups <= 0 || (int64_t{1} << shift) * groups != K || shift < 5))
+    return ffi::Error::InvalidArgument("matmul_i4: K / G must be a power of two >= 32");
+  return MatmulImpl(pool, x.typed_data(),
+                    I4Weights{w.typed_data(), scale.typed_data(), K, shift},
+                    y->typed_data(), xd[0], wd[0], K);
 }
 
 }  // namespace
@@ -460,5 +613,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmulI8, MatmulI8,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmulI4, MatmulI4,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -25,15 +25,23 @@ SUPPORTED_ARCHITECTURES = (
 )
 
 # Weight quantization methods (vLLM's ``quantization`` setting; jaxserve.model.quantization).
-QUANTIZATION_METHODS = ("int8",)
+QUANTIZATION_METHODS = ("int8", "int4")
+# int4's group: consecutive input elements sharing one scale (jaxserve.model.quantization).
+INT4_GROUP_SIZE = 32
 
 
-def check_quantization(quantization: str | None, field: str = "quantization") -> None:
-    """Raises ValueError (one line, naming ``field`` and the supported values) for an
-    unsupported quantization method; None (unquantized) and ``QUANTIZATION_METHODS`` pass."""
+def check_quantization(quantization: str | None, field: str = "quantization",
+                       tensor_parallel_size: int = 1) -> None:
+    """Raises ValueError (one line, naming ``field``) for an unsupported quantization
+    method (the supported values listed), or int4 with ``tensor_parallel_size`` > 1 (its
+    group scales are not split over devices); None (unquantized) and
+    ``QUANTIZATION_METHODS`` pass."""
     if quantization is not None and quantization not in QUANTIZATION_METHODS:
         raise ValueError(f"{field} must be one of None, "
                          f"{', '.join(map(repr, QUANTIZATION_METHODS))}; got {quantization!r}")
+    if quantization == "int4" and tensor_parallel_size > 1:
+        raise ValueError(f"{field}='int4' runs on one device; got tensor_parallel_size="
+                         f"{tensor_parallel_size} (use int8 for tensor parallelism)")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -92,6 +92,8 @@ class ServeOptions:
     api_key: str | None = None  # required by both APIs (passed to the api process's environment)
     ssl_certfile: str | None = None  # TLS for both APIs (with ssl_keyfile)
     ssl_keyfile: str | None = None
+    # tool_choice "auto": the --tool-call-parser of --enable-auto-tool-choice (None = refused)
+    tool_call_parser: str | None = None
     max_waiting_requests: int = 256
     shutdown_grace: float = 30.0  # seconds running requests get to finish at shutdown
     engine_flags: tuple[str, ...] = ()
@@ -274,6 +276,8 @@ class Launcher:
             api_cmd += ["--served-model-name", opts.served_model_name or "SmolLM2-135M-Instruct"]
         if opts.ssl_certfile:
             api_cmd += ["--ssl-certfile", opts.ssl_certfile, "--ssl-keyfile", opts.ssl_keyfile]
+        if opts.tool_call_parser:
+            api_cmd += ["--enable-auto-tool-choice", "--tool-call-parser", opts.tool_call_parser]
         api_env = host_only_env(env, {})
         if opts.api_key:
             api_env[API_KEY_ENV] = opts.api_key

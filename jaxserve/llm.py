@@ -31,6 +31,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from jaxserve.api.incremental_output import IncrementalOutput
+from jaxserve.api.prompts import template_messages
 from jaxserve.engine import (CacheConfig, EngineConfig, EngineCore, EngineCoreOutput,
                              EngineCoreRequest, EngineStats, SchedulerConfig)
 from jaxserve.engine.config import CompileConfig
@@ -81,8 +82,9 @@ class LLM:
       tensor_parallel_size: devices the model and KV cache are split over
         (docs/scale_out.md); the model's heads must split over them.
       load_format: "auto", "safetensors" or "orbax" (``WorkerInit.load_format``).
-      quantization: None, or "int8" (vLLM's argument): weight-only int8 quantized
-        at load time, a float32 scale per output channel (docs/model.md).
+      quantization: None, "int8" or "int4" (vLLM's argument): weight quantized at load
+        time — int8 with a float32 scale per output channel, or int4 with a float32
+        scale per group of 32 inputs (one device only) (docs/model.md).
       compilation_cache_dir: JAX's persistent compilation cache directory;
         None = JAX's setting (``JAX_COMPILATION_CACHE_DIR`` or
         ``jax.config``) when there is one, else ``$JAXSERVE_CACHE/jax_cache``
@@ -210,21 +212,31 @@ class LLM:
     def chat(self, messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, chat_template: str | None = None,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
+             add_generation_prompt: bool = True,
+             tools: Sequence[Mapping[str, Any]] | None = None) -> list[RequestOutput]:
         """Generates replies to one conversation or a list of them.
 
-        Each conversation is a list of {"role", "content"} messages, rendered
-        with the tokenizer's chat template (or ``chat_template``) and
-        tokenized without adding special tokens again. Exceptions leave the
-        engine empty, as in ``generate``.
+        Each conversation is a list of OpenAI-shaped messages ({"role",
+        "content"}, an assistant's "tool_calls", a tool's "tool_call_id"),
+        rendered with the tokenizer's chat template (or ``chat_template``) and
+        tokenized without adding special tokens again; ``tools``
+        (``[{"type": "function", "function": {"name", "description",
+        "parameters"}}]``) go to the template as ``tools``, as in vLLM's
+        ``LLM.chat``: the replies are text, not parsed for calls (a call can
+        be forced with ``structured_outputs``; docs/tool_calling.md).
+        Exceptions leave the engine empty, as in ``generate``.
+
+        Raises:
+          ValueError: a call's arguments that are not JSON text of an object
+            (``messages[i].tool_calls[j].function.arguments``).
         """
         conversations = ([messages] if messages and isinstance(messages[0], Mapping)
                          else list(messages))
         texts, ids = [], []
         for conv in conversations:
             text = self.tokenizer.apply_chat_template(
-                list(conv), tokenize=False, add_generation_prompt=add_generation_prompt,
-                chat_template=chat_template)
+                template_messages(conv), tools=list(tools) if tools else None, tokenize=False,
+                add_generation_prompt=add_generation_prompt, chat_template=chat_template)
             texts.append(text)
             ids.append(self._encode(text, "messages", add_special_tokens=False))
         return self._run(texts, ids, sampling_params, use_tqdm)

@@ -89,8 +89,8 @@ class WorkerInit:
       load_format: "auto", "safetensors" or "orbax" (``jaxserve.model.loader``:
         convert the Hugging Face weights, or restore the directory's
         parameter checkpoint; auto = the checkpoint when there is one).
-      quantization: None, or "int8": weight-only int8 quantized at load time
-        (``jaxserve.model.quantization``).
+      quantization: None, "int8" or "int4": weight-only int8 / group-wise int4
+        quantized at load time (``jaxserve.model.quantization``).
     """
 
     model: str | None

@@ -8,8 +8,10 @@ concurrent test processes share one build.
 
 from __future__ import annotations
 
+import gc
 import os
 import pathlib
+import sys
 
 import pytest
 
@@ -43,3 +45,30 @@ def demo_gguf_path(demo_model_dir: pathlib.Path) -> pathlib.Path:
     from jaxserve.demo_model import ensure_demo_gguf
 
     return ensure_demo_gguf()
+
+
+# Every XLA:CPU executable the process holds maps memory regions (a jitted
+# helper ~4, the demo model's served step ~130, an in-process LLM ~8,000), and
+# JAX's jit caches keep each one for the life of the process. Past Linux's
+# vm.max_map_count (65,530 by default) the next executable compiled or loaded
+# fails to map and the process dies (SIGSEGV or SIGABRT inside the persistent
+# cache's serialize or deserialize): the whole suite in one process reached it.
+# After any test that leaves the count past this mark the jit caches are
+# dropped (what a later test needs is reloaded from the persistent cache).
+_MEMORY_MAPS_CLEAR_AT = 20_000
+
+
+def memory_maps() -> int:
+    """How many memory regions this process maps (lines of /proc/self/maps)."""
+    with open("/proc/self/maps") as maps:
+        return sum(1 for _ in maps)
+
+
+@pytest.fixture(autouse=True)
+def _bounded_memory_maps():
+    """After each test (its own fixtures torn down first): drops JAX's caches
+    when the process maps more than ``_MEMORY_MAPS_CLEAR_AT`` regions."""
+    yield
+    if "jax" in sys.modules and memory_maps() > _MEMORY_MAPS_CLEAR_AT:
+        sys.modules["jax"].clear_caches()
+        gc.collect()

@@ -57,6 +57,28 @@ def test_serve_refuses_bad_engine_flags_before_starting_a_process(flags, named):
     assert "starting" not in proc.stderr  # no process was launched
 
 
+@pytest.mark.parametrize("flags, named", [
+    (("--enable-auto-tool-choice",), "--tool-call-parser"),  # vLLM refuses it too
+    (("--tool-call-parser", "qwen"), "invalid choice: 'qwen'"),
+])
+def test_serve_refuses_auto_tool_choice_without_a_known_parser(flags, named):
+    proc = _cli("serve", "--port", "0", *flags)
+    assert proc.returncode == 2, proc.stderr
+    assert named in proc.stderr and "Traceback" not in proc.stderr
+    assert "starting" not in proc.stderr
+
+
+def test_serve_options_pass_the_tool_call_parser_only_with_auto_tool_choice():
+    from jaxserve.cli import build_parser
+    from jaxserve.commands.serve import serve_options
+
+    for flags, parser_name in ((["--tool-call-parser", "hermes"], None),
+                               (["--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
+                                "hermes")):
+        args = build_parser().parse_args(["serve", *flags])
+        assert serve_options(args).tool_call_parser == parser_name
+
+
 def _model_dir(tmp_path, demo_model_dir, *, weights: bool, tokenizer: bool):
     """A directory with the demo model's config and, optionally, its weights and tokenizer."""
     model = tmp_path / "model"

@@ -158,6 +158,33 @@ def test_chat_applies_the_template(baseline):
     assert "Paris" in chat.outputs[0].text
 
 
+def test_chat_passes_tools_and_tool_calls_to_the_template(baseline):
+    """``tools`` reach the template; an assistant's call arguments (JSON text) reach it as an
+    object, as vLLM passes them; arguments that are not JSON are refused naming the field."""
+    llm, _, _ = baseline
+    template = ("{% for t in tools or [] %}[tool {{ t.function.name }}]{% endfor %}"
+                "{% for m in messages %}<{{ m.role }}>{{ m.content }}"
+                "{% for c in m.tool_calls or [] %}[call {{ c.function.name }} "
+                "{{ c.function.arguments.city }}]{% endfor %}{% endfor %}<assistant>")
+    tools = [{"type": "function", "function": {
+        "name": "get_weather", "parameters": {"type": "object",
+                                              "properties": {"city": {"type": "string"}}}}}]
+    call = {"id": "c1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    (chat,) = llm.chat(messages, GREEDY, use_tqdm=False, tools=tools, chat_template=template)
+    assert chat.prompt == ("[tool get_weather]<user>Weather in Paris?<assistant>"
+                           "[call get_weather Paris]<tool>sunny<assistant>")
+    assert messages[1]["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}'
+    bad = {**call, "function": {"name": "get_weather", "arguments": "{city: Paris}"}}
+    with pytest.raises(InvalidArgument) as err:
+        llm.chat([messages[0], {"role": "assistant", "content": "", "tool_calls": [bad]}],
+                 GREEDY, use_tqdm=False, tools=tools, chat_template=template)
+    assert err.value.field == "messages[1].tool_calls[0].function.arguments"
+
+
 def test_a_refused_prompt_queues_nothing_and_names_the_field(baseline):
     llm, _, _ = baseline
     vocab = llm.engine.geometry.vocab_size

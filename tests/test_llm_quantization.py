@@ -1,10 +1,11 @@
-"""``LLM(quantization="int8")``, ``jaxserve save-checkpoint -q int8`` and what reports the method.
+"""``LLM(quantization="int8" | "int4")``, ``jaxserve save-checkpoint -q`` and what reports the
+method.
 
 A tiny random-weight Llama (initializer range 0.02, as real checkpoints). The
-int8 LLM's greedy first tokens are the argmax of the int8 model's logits run
+quantized LLM's greedy first tokens are the argmax of the quantized model's logits run
 through the worker's step body (``tests/model/test_quantized_model.py`` checks
-those logits against the float model); a checkpoint saved with ``-q int8``
-restores into an int8 LLM with the same tokens, and is refused without it.
+those logits against the float model); a checkpoint saved with ``-q`` restores into
+an LLM of the same method with the same tokens, and is refused without it.
 Prompts are token ids (the demo tokenizer only detokenizes; V is 256).
 """
 
@@ -45,39 +46,41 @@ def tiny(tmp_path_factory):
     return directory, [rng.integers(1, 256, n).tolist() for n in (5, 19, 30)]
 
 
-def test_int8_llm_generates_the_int8_models_greedy_tokens(tiny, demo_model_dir, tmp_path):
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantized_llm_generates_the_quantized_models_greedy_tokens(method, tiny, demo_model_dir,
+                                                                   tmp_path):
     directory, prompts = tiny
     got = _generate(directory, demo_model_dir, [{"prompt_token_ids": p} for p in prompts],
-                    quantization="int8")
+                    quantization=method)
     assert all(len(t) == GREEDY.max_tokens and all(0 <= i < 256 for i in t) for t in got)
-    config, graphdef, state = load_model(directory, quantization="int8")
+    config, graphdef, state = load_model(directory, quantization=method)
     runner = PagedRunner(config, graphdef, state, backend="cpu")
     logits = runner.step({f"s{i}": p for i, p in enumerate(prompts)})
     assert [t[0] for t in got] == [int(logits[f"s{i}"].argmax()) for i in range(len(prompts))]
 
-    # save-checkpoint -q int8 records the method: served with it, the same tokens
+    # save-checkpoint -q records the method: served with it, the same tokens
     out = tmp_path / "ckpt"
     proc = subprocess.run([sys.executable, "-m", "jaxserve", "save-checkpoint", "--model",
-                           str(directory), "--output", str(out), "-q", "int8"],
+                           str(directory), "--output", str(out), "-q", method],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    assert f"serve it with: jaxserve serve --model {out} --dtype float32 -q int8)" in proc.stderr
+    assert f"serve it with: jaxserve serve --model {out} --dtype float32 -q {method})" in proc.stderr
     assert _generate(out, demo_model_dir, [{"prompt_token_ids": p} for p in prompts],
-                     quantization="int8") == got
-    with pytest.raises(ValueError, match="quantization=int8"):  # served without it: refused
+                     quantization=method) == got
+    with pytest.raises(ValueError, match=f"quantization={method}"):  # served without it: refused
         _generate(out, demo_model_dir, [{"prompt_token_ids": prompts[0]}])
 
 
 def test_llm_refuses_an_unsupported_quantization_in_one_line(tiny, demo_model_dir):
     directory, _ = tiny
-    with pytest.raises(ValueError, match=r"^quantization must be one of None, 'int8'; got 'awq'$"):
+    with pytest.raises(ValueError, match=r"^quantization must be one of None, 'int8', 'int4'; got 'awq'$"):
         LLM(str(directory), tokenizer=str(demo_model_dir), quantization="awq")
 
 
 def test_engine_and_model_info_report_the_quantization():
     geometry = Geometry(num_kv_blocks=9, block_size=16, max_model_len=64, vocab_size=256,
                         eos_token_ids=(0,))
-    for method, reported in (("int8", "int8"), (None, "")):
+    for method, reported in (("int8", "int8"), ("int4", "int4"), (None, "")):
         core = types.SimpleNamespace(config=EngineConfig(model="/m", quantization=method),
                                      geometry=geometry)
         assert engine_info(core).quantization == reported

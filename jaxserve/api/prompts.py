@@ -21,6 +21,7 @@ tokens again.
 from __future__ import annotations
 
 import dataclasses
+import json
 import types
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -48,6 +49,86 @@ class PreparedRequest:
     prompt_token_ids: list[int]
     prompt_field: str
     params: SamplingParams
+
+
+def _json_object(text: str, field: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except ValueError as err:
+        raise InvalidArgument(field, f"must be JSON text of an object: {err}") from None
+    if not isinstance(value, dict):
+        raise InvalidArgument(field, f"must be JSON text of an object, got {text!r:.80}")
+    return value
+
+
+def template_messages(messages: Sequence[Mapping[str, Any]], *, field: str = "messages",
+                      arguments_path: str = "function.arguments") -> list[dict[str, Any]]:
+    """OpenAI-shaped chat messages as chat templates take them (as vLLM passes them).
+
+    Each message as given, except that the ``arguments`` of an assistant's
+    ``tool_calls`` (``[{"id", "type": "function", "function": {"name",
+    "arguments"}}]``), JSON text in the API, become objects: templates such
+    as Qwen's and Llama's serialize them themselves.
+
+    Args:
+      messages: ``{"role", "content", "tool_calls"?, "tool_call_id"?, ...}`` dicts.
+      field: the messages' name in errors.
+      arguments_path: a call's ``arguments`` below ``tool_calls[j]`` in errors.
+
+    Raises:
+      InvalidArgument: ``<field>[i].tool_calls[j].<arguments_path>`` is not JSON
+        text of an object.
+    """
+    out = []
+    for i, m in enumerate(messages):
+        message = dict(m)
+        if m.get("tool_calls"):
+            calls = []
+            for j, call in enumerate(m["tool_calls"]):
+                function = dict(call["function"])
+                if isinstance(function.get("arguments"), str):
+                    function["arguments"] = _json_object(
+                        function["arguments"], f"{field}[{i}].tool_calls[{j}].{arguments_path}")
+                calls.append({**call, "function": function})
+            message["tool_calls"] = calls
+        out.append(message)
+    return out
+
+
+def _chat_messages(chat: pb.Chat) -> list[dict[str, Any]]:
+    """A ``pb.Chat``'s messages in OpenAI's shape (``tool_calls`` / ``tool_call_id`` when set)."""
+    out = []
+    for m in chat.messages:
+        message: dict[str, Any] = {"role": m.role, "content": m.content}
+        if m.tool_calls:
+            message["tool_calls"] = [{"id": c.id, "type": "function",
+                                      "function": {"name": c.name, "arguments": c.arguments}}
+                                     for c in m.tool_calls]
+        if m.tool_call_id:
+            message["tool_call_id"] = m.tool_call_id
+        out.append(message)
+    return out
+
+
+def template_tools(tools: Sequence[pb.Tool], *, field: str = "chat.tools") -> list[dict[str, Any]]:
+    """Tools as chat templates take them: ``{"type": "function", "function": {"name",
+    "description", "parameters"}}`` (description and parameters only when set).
+
+    Raises:
+      InvalidArgument: ``<field>[i].name`` empty or ``<field>[i].parameters`` not
+        JSON text of an object.
+    """
+    out = []
+    for i, tool in enumerate(tools):
+        if not tool.name:
+            raise InvalidArgument(f"{field}[{i}].name", "a tool needs a name")
+        function: dict[str, Any] = {"name": tool.name}
+        if tool.description:
+            function["description"] = tool.description
+        if tool.parameters:
+            function["parameters"] = _json_object(tool.parameters, f"{field}[{i}].parameters")
+        out.append({"type": "function", "function": function})
+    return out
 
 
 class RequestPreparer:
@@ -89,31 +170,45 @@ class RequestPreparer:
         # give: ``validate`` refuses a prompt the engine cannot hold, with its field.
         return list(self.tokenizer.encode(text, verbose=False))
 
-    def render_chat(self, chat: pb.Chat, *, field: str = "chat.messages") -> str:
-        """The chat rendered by the tokenizer's chat template.
+    def render_chat(self, chat: pb.Chat, *, field: str = "chat.messages",
+                    tools_field: str = "chat.tools", arguments_path: str = "arguments") -> str:
+        """The chat rendered by the tokenizer's chat template, its tools passed as ``tools``.
+
+        Messages and tools reach the template as ``template_messages`` and
+        ``template_tools`` make them; ``field``, ``tools_field`` and
+        ``arguments_path`` (a call's arguments below ``<field>[i].tool_calls[j]``)
+        name them in errors.
 
         Raises:
           InvalidArgument: no messages, a message without a role, a model
-            without a chat template, or a chat the template refuses (its error
-            message).
+            without a chat template, arguments or parameters that are not JSON
+            objects, or a chat the template refuses (its error message).
         """
         validate_chat(chat.messages, field=field)
+        messages = template_messages(_chat_messages(chat), field=field,
+                                     arguments_path=arguments_path)
+        tools = template_tools(chat.tools, field=tools_field) or None
         if not getattr(self.tokenizer, "chat_template", None):
             raise InvalidArgument(field, "this model has no chat template (its "
                                          "tokenizer_config.json sets none); send a text prompt "
                                          "instead (completions)")
         add_generation_prompt = (chat.add_generation_prompt
                                  if chat.HasField("add_generation_prompt") else True)
-        messages = [{"role": m.role, "content": m.content} for m in chat.messages]
         try:
             return self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+                messages, tools=tools, tokenize=False,
+                add_generation_prompt=add_generation_prompt)
         except Exception as err:  # noqa: BLE001 - a template's own error (jinja raise_exception)
             raise InvalidArgument(field, f"the chat template refused the chat: {err}") from None
 
-    def encode_chat(self, chat: pb.Chat, *, field: str = "chat.messages") -> tuple[str, list[int]]:
-        """(rendered text, ids) of a chat; ids encoded without adding special tokens again."""
-        text = self.render_chat(chat, field=field)
+    def encode_chat(self, chat: pb.Chat, *, field: str = "chat.messages",
+                    tools_field: str = "chat.tools",
+                    arguments_path: str = "arguments") -> tuple[str, list[int]]:
+        """(rendered text, ids) of a chat; ids encoded without adding special tokens again.
+
+        ``field``, ``tools_field``, ``arguments_path``: names in errors (``render_chat``)."""
+        text = self.render_chat(chat, field=field, tools_field=tools_field,
+                                arguments_path=arguments_path)
         return text, list(self.tokenizer.encode(text, add_special_tokens=False,
                                                 verbose=False))  # as in encode_text
 

@@ -5,6 +5,7 @@ reflection) and the OpenAI-compatible HTTP API — over one ``RequestRunner``.
         [--engine-address 127.0.0.1:50062 ...]    # one per data-parallel replica
         [--host 0.0.0.0] [--port 50051] [--http-port 8000] [--metrics-port 9090] \\
         [--ssl-certfile CERT --ssl-keyfile KEY]    # API key: $JAXSERVE_API_KEY
+        [--enable-auto-tool-choice --tool-call-parser hermes]    # chat tool_choice "auto"
 
 Started by ``jaxserve serve`` (``jaxserve.launcher``). Start-up: bind the
 ports at once (health NOT_SERVING, HTTP 503), load the tokenizer and the
@@ -61,6 +62,7 @@ from jaxserve.api.engine_client import EngineClient, EngineError
 from jaxserve.api.engine_group import EngineGroup
 from jaxserve.api.generate_service import SERVICE_NAME, GenerateServicer, stats_refresher
 from jaxserve.api.openai.app import HttpFrontEnd, bearer_token_matches, http_server
+from jaxserve.api.tool_parsers import add_tool_arguments, check_tool_arguments
 from jaxserve.api.prompts import RequestPreparer
 from jaxserve.api.runner import RequestRunner
 from jaxserve.generation_config import AUTO, generation_config_source, load_sampling_defaults
@@ -105,7 +107,9 @@ class ApiServer:
             lambda: (self.engine.router.in_flight, self.engine.router.routed))
         self.health = health.aio.HealthServicer()
         self.runner: RequestRunner | None = None
-        self.http = HttpFrontEnd(api_key=self.api_key)
+        self.http = HttpFrontEnd(api_key=self.api_key,
+                                 tool_parser=(args.tool_call_parser
+                                              if args.enable_auto_tool_choice else None))
         self._stopped = asyncio.Event()
         self._abort_now = asyncio.Event()
 
@@ -396,6 +400,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="on SIGINT / SIGTERM, seconds running requests get to finish "
                              "before they are aborted (a second signal aborts at once)")
     parser.add_argument("--log-level", default="INFO")
+    add_tool_arguments(parser)
     return parser
 
 
@@ -404,6 +409,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if bool(args.ssl_certfile) != bool(args.ssl_keyfile):
         parser.error("--ssl-certfile and --ssl-keyfile go together")
+    try:
+        check_tool_arguments(args)
+    except ValueError as err:
+        parser.error(str(err))
     setup_logging("api", args.log_level)
 
     async def run() -> None:

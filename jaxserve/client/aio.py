@@ -86,12 +86,13 @@ class AsyncClient:
                        sampling_params: SamplingParams | Mapping[str, Any] | None = None,
                        request_id: str = "", cache_salt: str = "",
                        add_generation_prompt: bool | None = None,
+                       tools: Iterable[Mapping[str, Any]] | None = None,
                        timeout: float | None = None, **params: Any) -> GenerateResult:
         """Generates and returns the finished completion(s); see ``Client.generate``."""
         request = build_generate_request(
             prompt, messages=messages, sampling_params=sampling_params, params=params,
             stream=False, request_id=request_id, cache_salt=cache_salt,
-            add_generation_prompt=add_generation_prompt)
+            add_generation_prompt=add_generation_prompt, tools=tools)
         builder = ResultBuilder(num_completions(request))
         async for delta in self._call_stream(request, timeout):
             builder.add(delta)
@@ -106,6 +107,7 @@ class AsyncClient:
                sampling_params: SamplingParams | Mapping[str, Any] | None = None,
                request_id: str = "", cache_salt: str = "",
                add_generation_prompt: bool | None = None,
+               tools: Iterable[Mapping[str, Any]] | None = None,
                timeout: float | None = None, **params: Any) -> AsyncIterator[StreamDelta]:
         """An async iterator of ``StreamDelta``s; see ``Client.stream``.
 
@@ -114,7 +116,7 @@ class AsyncClient:
         request = build_generate_request(
             prompt, messages=messages, sampling_params=sampling_params, params=params,
             stream=True, request_id=request_id, cache_salt=cache_salt,
-            add_generation_prompt=add_generation_prompt)
+            add_generation_prompt=add_generation_prompt, tools=tools)
         return self._call_stream(request, timeout)
 
     async def _call_stream(self, request: pb.GenerateRequest,
@@ -132,9 +134,10 @@ class AsyncClient:
     async def tokenize(self, text: str | None = None, *,
                        messages: Iterable[Message] | None = None,
                        add_generation_prompt: bool | None = None,
+                       tools: Iterable[Mapping[str, Any]] | None = None,
                        timeout: float | None = None) -> TokenizeResult:
         """See ``Client.tokenize``."""
-        request = build_tokenize_request(text, messages, add_generation_prompt)
+        request = build_tokenize_request(text, messages, add_generation_prompt, tools)
         response = await self._unary(self._stub.Tokenize, request, timeout)
         return TokenizeResult(tuple(response.token_ids), response.text)
 

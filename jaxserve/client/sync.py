@@ -117,6 +117,7 @@ class Client:
                  sampling_params: SamplingParams | Mapping[str, Any] | None = None,
                  request_id: str = "", cache_salt: str = "",
                  add_generation_prompt: bool | None = None,
+                 tools: Iterable[Mapping[str, Any]] | None = None,
                  timeout: float | None = None, **params: Any) -> GenerateResult:
         """Generates and returns the finished completion(s).
 
@@ -137,7 +138,7 @@ class Client:
         request = build_generate_request(
             prompt, messages=messages, sampling_params=sampling_params, params=params,
             stream=False, request_id=request_id, cache_salt=cache_salt,
-            add_generation_prompt=add_generation_prompt)
+            add_generation_prompt=add_generation_prompt, tools=tools)
         builder = ResultBuilder(num_completions(request))
         for delta in self._call_stream(request, timeout):
             builder.add(delta)
@@ -152,6 +153,7 @@ class Client:
                sampling_params: SamplingParams | Mapping[str, Any] | None = None,
                request_id: str = "", cache_salt: str = "",
                add_generation_prompt: bool | None = None,
+               tools: Iterable[Mapping[str, Any]] | None = None,
                timeout: float | None = None, **params: Any) -> Iterator[StreamDelta]:
         """Generates, yielding ``StreamDelta``s as the server produces them.
 
@@ -165,7 +167,7 @@ class Client:
         request = build_generate_request(
             prompt, messages=messages, sampling_params=sampling_params, params=params,
             stream=True, request_id=request_id, cache_salt=cache_salt,
-            add_generation_prompt=add_generation_prompt)
+            add_generation_prompt=add_generation_prompt, tools=tools)
         return self._call_stream(request, timeout)
 
     def _call_stream(self, request: pb.GenerateRequest,
@@ -182,6 +184,7 @@ class Client:
 
     def tokenize(self, text: str | None = None, *, messages: Iterable[Message] | None = None,
                  add_generation_prompt: bool | None = None,
+                 tools: Iterable[Mapping[str, Any]] | None = None,
                  timeout: float | None = None) -> TokenizeResult:
         """The token ids the server would generate from for ``text`` or a chat.
 
@@ -189,7 +192,7 @@ class Client:
           JaxServeError: the call failed.
           ValueError: both or neither of text / messages.
         """
-        request = build_tokenize_request(text, messages, add_generation_prompt)
+        request = build_tokenize_request(text, messages, add_generation_prompt, tools)
         response = self._unary(self._stub.Tokenize, request, timeout)
         return TokenizeResult(tuple(response.token_ids), response.text)
 

@@ -7,6 +7,7 @@ and the generated messages, never jax.
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -18,8 +19,9 @@ from jaxserve.proto import generate_pb2 as pb
 from jaxserve.proto.convert import finish_reason_from_proto, sampling_params_to_proto
 from jaxserve.sampling_params import SamplingParams
 
-# A chat message: {"role": ..., "content": ...}, a (role, content) pair, or the proto message.
-Message = Mapping[str, str] | tuple[str, str] | pb.ChatMessage
+# A chat message: {"role": ..., "content": ...} (OpenAI's shape, tool_calls and tool_call_id
+# included), a (role, content) pair, or the proto message.
+Message = Mapping[str, Any] | tuple[str, str] | pb.ChatMessage
 
 DEFAULT_PORT = 50051  # where ``jaxserve serve`` listens unless told otherwise
 
@@ -245,19 +247,36 @@ class TokenizeResult:
     text: str
 
 
-def _chat(messages: Iterable[Message], add_generation_prompt: bool | None) -> pb.Chat:
+def _chat(messages: Iterable[Message], add_generation_prompt: bool | None,
+          tools: Iterable[Mapping[str, Any]] | None = None) -> pb.Chat:
+    """A ``pb.Chat``: messages in OpenAI's shape (an assistant's ``tool_calls`` with
+    ``arguments`` as JSON text or an object, a tool's ``tool_call_id``), and ``tools``
+    as ``{"type": "function", "function": {"name", "description", "parameters"}}``."""
     chat = pb.Chat()
     for message in messages:
         if isinstance(message, pb.ChatMessage):
             chat.messages.append(message)
         elif isinstance(message, Mapping):
-            chat.messages.add(role=message["role"], content=message["content"])
+            calls = [pb.ToolCall(id=c.get("id", ""), name=c["function"]["name"],
+                                 arguments=_json_text(c["function"].get("arguments", {})))
+                     for c in message.get("tool_calls") or ()]
+            chat.messages.add(role=message["role"], content=message.get("content") or "",
+                              tool_calls=calls, tool_call_id=message.get("tool_call_id") or "")
         else:
             role, content = message
             chat.messages.add(role=role, content=content)
+    for tool in tools or ():
+        function = tool["function"]
+        parameters = function.get("parameters")
+        chat.tools.add(name=function["name"], description=function.get("description") or "",
+                       parameters="" if parameters is None else _json_text(parameters))
     if add_generation_prompt is not None:
         chat.add_generation_prompt = add_generation_prompt
     return chat
+
+
+def _json_text(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
 
 
 def build_generate_request(prompt: str | Sequence[int] | None, *,
@@ -265,7 +284,8 @@ def build_generate_request(prompt: str | Sequence[int] | None, *,
                            sampling_params: SamplingParams | Mapping[str, Any] | None,
                            params: Mapping[str, Any], stream: bool, request_id: str = "",
                            cache_salt: str = "",
-                           add_generation_prompt: bool | None = None) -> pb.GenerateRequest:
+                           add_generation_prompt: bool | None = None,
+                           tools: Iterable[Mapping[str, Any]] | None = None) -> pb.GenerateRequest:
     """The ``GenerateRequest`` for one call; values are checked by the server, not here.
 
     ``params`` (keyword sampling parameters) override ``sampling_params``.
@@ -284,7 +304,7 @@ def build_generate_request(prompt: str | Sequence[int] | None, *,
     request = pb.GenerateRequest(request_id=request_id, stream=stream, cache_salt=cache_salt,
                                  sampling_params=sampling_params_to_proto(values))
     if messages is not None:
-        request.chat.CopyFrom(_chat(messages, add_generation_prompt))
+        request.chat.CopyFrom(_chat(messages, add_generation_prompt, tools))
     elif isinstance(prompt, str):
         request.text = prompt
     else:
@@ -294,12 +314,13 @@ def build_generate_request(prompt: str | Sequence[int] | None, *,
 
 
 def build_tokenize_request(text: str | None, messages: Iterable[Message] | None,
-                           add_generation_prompt: bool | None) -> pb.TokenizeRequest:
+                           add_generation_prompt: bool | None,
+                           tools: Iterable[Mapping[str, Any]] | None = None) -> pb.TokenizeRequest:
     """The ``TokenizeRequest``. Raises ``ValueError`` unless exactly one input is given."""
     if (text is None) == (messages is None):
         raise ValueError("pass exactly one of text and messages")
     if messages is not None:
-        return pb.TokenizeRequest(chat=_chat(messages, add_generation_prompt))
+        return pb.TokenizeRequest(chat=_chat(messages, add_generation_prompt, tools))
     return pb.TokenizeRequest(text=text)
 
 

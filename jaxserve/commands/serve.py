@@ -19,6 +19,7 @@ import os
 
 from jaxserve.engine.service import (add_engine_arguments, engine_config, engine_flags,
                                      positive_int)
+from jaxserve.api.tool_parsers import add_tool_arguments, check_tool_arguments
 from jaxserve.launcher import API_KEY_ENV
 from jaxserve.generation_config import AUTO, generation_config_source
 
@@ -81,6 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ssl-certfile", default=None,
                         help="TLS certificate (PEM) for both APIs; needs --ssl-keyfile")
     parser.add_argument("--ssl-keyfile", default=None, help="TLS private key (PEM)")
+    add_tool_arguments(parser)
 
 
 def serve_options(args: argparse.Namespace, **overrides: object):
@@ -94,6 +96,8 @@ def serve_options(args: argparse.Namespace, **overrides: object):
                   api_key=getattr(args, "api_key", None),
                   ssl_certfile=getattr(args, "ssl_certfile", None),
                   ssl_keyfile=getattr(args, "ssl_keyfile", None),
+                  tool_call_parser=(args.tool_call_parser
+                                    if getattr(args, "enable_auto_tool_choice", False) else None),
                   max_waiting_requests=args.max_waiting_requests,
                   shutdown_grace=args.shutdown_grace,
                   engine_flags=tuple(engine_flags(args)), log_level=args.log_level,
@@ -112,6 +116,11 @@ def run(args: argparse.Namespace) -> int:
 
     if bool(args.ssl_certfile) != bool(args.ssl_keyfile):
         logger.error("--ssl-certfile and --ssl-keyfile go together")
+        return 2
+    try:
+        check_tool_arguments(args)
+    except ValueError as err:
+        logger.error("%s", err)
         return 2
     try:
         engine_config(args)  # the engine's own checks (ladders, limits), before any process

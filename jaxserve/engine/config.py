@@ -173,8 +173,9 @@ class EngineConfig:
       tensor_parallel_size: devices the worker splits the model over
         (``WorkerInit.tensor_parallel_size``).
       load_format: how the worker reads the weights (``WorkerInit.load_format``).
-      quantization: None (the checkpoint's weights) or "int8" (vLLM's flag:
-        weight-only int8 quantized at load time, ``WorkerInit.quantization``).
+      quantization: None (the checkpoint's weights), "int8" or "int4" (vLLM's flag:
+        weight-only int8 / group-wise int4 quantized at load time,
+        ``WorkerInit.quantization``; int4 only with ``tensor_parallel_size`` 1).
       eos_token_ids: filled from the worker's geometry by ``resolved``.
     """
 
@@ -204,7 +205,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {', '.join(SERVED_DTYPES)} or auto, got "
                              f"{self.dtype!r} (float16 is not served: the GPU attention "
                              f"kernel takes float32 and bfloat16 only)")
-        check_quantization(self.quantization)
+        check_quantization(self.quantization,
+                           tensor_parallel_size=self.tensor_parallel_size)
 
     def worker_init(self) -> WorkerInit:
         """The ``initialize`` request for the worker."""

@@ -299,8 +299,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                              "model directory; auto = the checkpoint when there is one")
     parser.add_argument("--quantization", "-q", choices=QUANTIZATION_METHODS, default=None,
                         help="quantize the weights at load time (vLLM's flag): int8 = "
-                             "weight-only int8 with a float32 scale per output channel "
-                             "(docs/model.md); default: the checkpoint's weights as they are")
+                             "weight-only int8 with a float32 scale per output channel; "
+                             "int4 = weight-only int4, a float32 scale per group of 32 inputs "
+                             "(docs/model.md); default: the checkpoint's weights as "
+                             "they are")
     parser.add_argument("--max-worker-restarts", type=_non_negative_int, default=3,
                         help="worker processes the engine may start to replace a dead or hung "
                              "one, in its life (default 3; 0 = a worker failure is final)")

@@ -32,7 +32,11 @@ every kernel above, the embedding and the LM head are int8 ``[out, in]`` with a
 float32 scale per output channel beside them (``<name>_scale``); ``linear`` then
 runs the C++ int8 product on the CPU (``cpu_kernels.matmul_i8``, any row count)
 and ``(x @ q) * scale`` in jnp elsewhere, and the embedding lookup dequantizes
-only the gathered rows.
+only the gathered rows. ``quantization="int4"`` makes the decoder's kernels packed
+int4 ``u8[out, in / 2]`` with a (step, offset) per group of 32 inputs
+``f32[out, in / 32, 2]`` (``cpu_kernels.matmul_i4`` on the CPU; elsewhere the jnp
+form, which dequantizes the kernel and multiplies) and keeps the embedding and LM
+head int8.
 
 Built with a ``mesh`` (tensor parallel over TP devices, ``jaxserve.model.sharding``),
 the fused output features are grouped by device and the model splits them per group;
@@ -69,11 +73,12 @@ def _param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: jnp.dtype) -> nnx.Para
 
 def _weight(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: jnp.dtype,
             quantization: str | None) -> tuple[nnx.Param, nnx.Param | None]:
-    """A random kernel [out, in] and its scale f32[out]: (float kernel, None) unquantized,
-    (int8 kernel, scale) with ``quantization`` "int8"."""
+    """A random kernel [out, in]: (float kernel, None) unquantized, else the quantized kernel
+    and its scale (``quant.quantize`` with ``quantization``)."""
     if quantization is None:
         return _param(rngs, shape, dtype), None
-    q, scale = quant.quantize(_INIT_STD * jax.random.normal(rngs.params(), shape, jnp.float32))
+    q, scale = quant.quantize(_INIT_STD * jax.random.normal(rngs.params(), shape, jnp.float32),
+                              quantization)
     return nnx.Param(q), nnx.Param(scale)
 
 
@@ -81,24 +86,32 @@ def _xla_linear(x: jax.Array, kernel: jax.Array) -> jax.Array:
     return jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (1,)), ((), ())))
 
 
-def _int8_linear(x: jax.Array, q: jax.Array, scale: jax.Array, tensor_parallel: bool) -> jax.Array:
+# The quantized products by method (jaxserve.model.quantization.method_of): the C++
+# kernel for the CPU, its jnp form for every other case.
+_QUANTIZED_PRODUCTS = {"int8": (cpu_kernels.matmul_i8, cpu_kernels.matmul_i8_reference),
+                       "int4": (cpu_kernels.matmul_i4, cpu_kernels.matmul_i4_reference)}
+
+
+def _quantized_linear(x: jax.Array, q: jax.Array, scale: jax.Array,
+                      tensor_parallel: bool) -> jax.Array:
+    kernel, reference = _QUANTIZED_PRODUCTS[quant.method_of(q)]
     if (tensor_parallel or x.dtype != jnp.float32 or jax.default_backend() != "cpu"
             or not cpu_kernels.available()):
-        return cpu_kernels.matmul_i8_reference(x, q, scale)
-    return jax.lax.platform_dependent(x, q, scale, cpu=cpu_kernels.matmul_i8,
-                                      default=cpu_kernels.matmul_i8_reference)
+        return reference(x, q, scale)
+    return jax.lax.platform_dependent(x, q, scale, cpu=kernel, default=reference)
 
 
 def linear(x: jax.Array, kernel: jax.Array, scale: jax.Array | None = None, *,
            tensor_parallel: bool = False) -> jax.Array:
     """x [..., in] times a kernel stored [out, in] (``x @ kernel.T``) → [..., out].
 
-    With ``scale`` (f32[out]) the kernel is int8 (weight-only int8,
-    ``jaxserve.model.quantization``) and the product is ``(x @ kernel.T) * scale``:
-    on the CPU, for float32 x at any row count, the C++ kernel
-    ``cpu_kernels.matmul_i8`` (int8 widened in registers); otherwise (a GPU
-    lowering, a tensor-parallel split, another dtype) its jnp form
-    ``cpu_kernels.matmul_i8_reference``.
+    With ``scale`` the kernel is quantized (``jaxserve.model.quantization``, the method
+    read from the kernel's dtype): int8 ``[out, in]`` with scale f32[out], the product
+    ``(x @ kernel.T) * scale``, or packed int4 u8[out, in / 2] with (step, offset)
+    f32[out, in / G, 2], the product with the dequantized kernel. On the CPU, for float32
+    x at any row count, the C++ kernel (``cpu_kernels.matmul_i8`` / ``matmul_i4``,
+    the integers widened in registers); otherwise (a GPU lowering, a tensor-parallel
+    split, another dtype) its jnp form (``matmul_i8_reference`` / ``matmul_i4_reference``).
 
     On the CPU, a float32 product of at most ``cpu_kernels.MATMUL_MAX_ROWS``
     rows runs the C++ kernel (``cpu_kernels.matmul``) where it builds: it reads
@@ -109,7 +122,7 @@ def linear(x: jax.Array, kernel: jax.Array, scale: jax.Array | None = None, *,
     lowering for a GPU keeps XLA's product.
     """
     if scale is not None:
-        return _int8_linear(x, kernel, scale, tensor_parallel)
+        return _quantized_linear(x, kernel, scale, tensor_parallel)
     rows = math.prod(x.shape[:-1])
     if (tensor_parallel or rows > cpu_kernels.MATMUL_MAX_ROWS or x.dtype != jnp.float32
             or kernel.dtype != jnp.float32 or jax.default_backend() != "cpu"
@@ -155,7 +168,7 @@ class Attention(nnx.Module):
         self.config = config
         self.mesh = mesh
         # [(N + 2K)·H, D]: rows [q | k | v] per device group (jaxserve.model.sharding);
-        # int8 with a scale f32[(N + 2K)·H] when quantized (None otherwise), as every kernel
+        # quantized with its scale when quantized (None otherwise), as every kernel
         self.qkv_proj, self.qkv_proj_scale = _weight(rngs, ((n + 2 * k) * h, d), dtype,
                                                      quantization)
         self.qkv_bias = nnx.Param(jnp.zeros(((n + 2 * k) * h,), dtype)) if config.attention_bias else None
@@ -267,9 +280,10 @@ class CausalLM(nnx.Module):
         KV cache must then be stacked too (``init_kv_cache(..., stacked=True)``).
       mesh: the tensor-parallel mesh (``sharding.make_mesh``), None for one
         device; ``config`` is then ``ModelConfig.for_tensor_parallel``'s.
-      quantization: None, or "int8" (``jaxserve.model.quantization.METHODS``):
+      quantization: None, "int8" or "int4" (``jaxserve.model.quantization.METHODS``):
         every linear kernel, the embedding and the LM head int8 with a float32
-        scale per output channel.
+        scale per output channel; or the decoder's kernels packed int4 with a float32
+        step and offset per group of 32 inputs, the embedding and LM head int8.
 
     Raises:
       ValueError: an unsupported ``quantization``.
@@ -283,7 +297,9 @@ class CausalLM(nnx.Module):
         self.scan_layers = scan_layers
         self.mesh = mesh
         v, d = config.vocab_size, config.hidden_size
-        self.embed, self.embed_scale = _weight(rngs, (v, d), dtype, quantization)  # [V, D], [V]
+        # [V, D], [V]; int8 under int4 too (quant.method_for)
+        head_method = None if quantization is None else quant.method_for("embed", quantization)
+        self.embed, self.embed_scale = _weight(rngs, (v, d), dtype, head_method)
         if scan_layers:  # every parameter [L, ...]
             self.layers = _stacked_layers(config, dtype, rngs, mesh, quantization)
         else:
@@ -292,14 +308,14 @@ class CausalLM(nnx.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.lm_head, self.lm_head_scale = (
             (None, None) if config.tie_word_embeddings
-            else _weight(rngs, (v, d), dtype, quantization))  # [V, D], [V]
+            else _weight(rngs, (v, d), dtype, head_method))  # [V, D], [V]
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array, kv_cache: KVCache,
                  metadata: AttentionMetadata, backend: str) -> tuple[jax.Array, KVCache]:
         """input_ids, positions: i32[T] → (hidden [T, D] after the final norm, kv_cache)."""
         if self.embed_scale is None:
             x = jnp.take(self.embed[...], input_ids, axis=0)  # [T, D]
-        else:  # int8: only the gathered rows are dequantized
+        else:  # quantized: only the gathered rows are dequantized
             x = quant.embed_lookup(self.embed[...], self.embed_scale[...], input_ids,
                                    self.norm.weight[...].dtype)
         cos, sin = rope.rope_cos_sin(positions, rope.inverse_frequencies(self.config))

@@ -12,10 +12,11 @@ parameter, and the host holds one parameter at a time. With ``scan_layers`` each
 is filled layer by layer into one array (a transient second copy of that one
 parameter, never of the model).
 
-With ``quantization="int8"`` every linear kernel, the embedding and the LM
+With ``quantization`` "int8" or "int4" every linear kernel, the embedding and the LM
 head are quantized as they are read (``jaxserve.model.quantization``: int8 plus
-a float32 scale per output channel, computed from the float32 tensor), so the
-full float model is never in memory either.
+a float32 scale per output channel, or packed int4 plus a float32 scale per group
+of 32 inputs, computed from the float32 tensor), so the full float model is never
+in memory either.
 
 A model directory may instead hold a parameter checkpoint that
 ``save_model_checkpoint`` wrote (``jaxserve.model.checkpoint``: Orbax, the
@@ -223,9 +224,10 @@ def load_model(model_dir: str | os.PathLike | None = None, dtype: str | jnp.dtyp
       load_format: "safetensors" (convert the Hugging Face weights), "orbax"
         (restore the directory's parameter checkpoint) or "auto" (the
         checkpoint when the directory has one, else safetensors).
-      quantization: None, or "int8": weight-only int8 quantized at load time
-        (``jaxserve.model.quantization``); a parameter checkpoint must have
-        been saved with the same method.
+      quantization: None, "int8" or "int4": weight-only int8 / group-wise int4
+        quantized at load time (``jaxserve.model.quantization``; int4 needs the
+        kernels' input dimensions to be multiples of 32 and no mesh); a parameter
+        checkpoint must have been saved with the same method.
 
     Returns:
       (config, graph, params): ``graph.merge(params)`` is the model; ``params``
@@ -256,6 +258,7 @@ def load_model(model_dir: str | os.PathLike | None = None, dtype: str | jnp.dtyp
     dtype = resolve_dtype(dtype)
     checkpoint_config = ModelConfig.from_pretrained(path)
     tp = sharding.mesh_size(mesh)
+    quant.check_model(checkpoint_config, quantization, tp)
     config = checkpoint_config.for_tensor_parallel(tp)
     has_checkpoint = (path / checkpoint.METADATA_FILE).is_file()
     if load_format == "orbax" or (load_format == "auto" and has_checkpoint):
@@ -286,9 +289,10 @@ def load_model(model_dir: str | os.PathLike | None = None, dtype: str | jnp.dtyp
             value, names = _read_param(index, param_path, jnp.float32 if quantized else dtype,
                                        layout, scan_layers)
             values = {param_path: value}
-            if quantized:  # from the float32 tensor: int8 kernel + its scale f32[..., out]
+            if quantized:  # from the float32 tensor: the quantized kernel + its scale
                 scale_path = (*param_path[:-1], name + quant.SCALE_SUFFIX)
-                values[param_path], values[scale_path] = quant.quantize(value)
+                values[param_path], values[scale_path] = quant.quantize(
+                    value, quant.method_for(name, quantization))
         for filled_path, value in values.items():
             expected = abstracts[filled_path]
             if value.shape != expected.shape:
@@ -359,7 +363,7 @@ def save_model_checkpoint(model_dir: str | os.PathLike | None, output_dir: str |
     ``model_dir`` but the safetensors weights (config, tokenizer, generation
     config), so ``load_model(output_dir, ...)`` / ``jaxserve serve --model
     output_dir`` restore it — with the same dtype, ``scan_layers``,
-    tensor-parallel size and ``quantization`` (int8 parameters are saved
+    tensor-parallel size and ``quantization`` (int8 / int4 parameters are saved
     quantized), which the checkpoint records and the restore checks.
 
     Returns:

@@ -1,27 +1,68 @@
-"""Weight-only int8 quantization (vLLM's ``quantization`` setting, value "int8").
+"""Weight-only quantization (vLLM's ``quantization`` setting): "int8" and "int4".
 
-Symmetric, per output channel: a kernel stored ``[out, in]`` (as
-``jaxserve.model.llama.linear`` stores them) becomes ``q i8[out, in]`` and
-``scale f32[out]`` with
+Both keep the activations in floating point and store a kernel ``[out, in]`` (as
+``jaxserve.model.llama.linear`` stores them) as integers plus float32 scales; the
+method is a parameter of one code path (``quantize`` / ``dequantize``), and the
+arrays describe their format (int8 values, or uint8 bytes of packed int4 values).
+
+**int8** — symmetric, one scale per output channel: ``q i8[out, in]``,
+``scale f32[out]``,
 
     scale[o] = max_i |w[o, i]| / 127,   q[o, i] = round(w[o, i] / scale[o])
 
-(round half to even, clipped to [-127, 127]; a row of zeros gets scale 1 and
-q = 0), so ``w ≈ q · scale[:, None]`` with an error of at most ``scale[o] / 2``
-per element. This is the absmax ("symmetric linear") scheme of LLM.int8()'s
-vector-wise quantization (Dettmers et al., 2022, section 3.1) without its
-outlier decomposition, and what vLLM's and TensorRT-LLM's weight-only int8
-("W8A16") store: int8 values with one float scale per output channel, the
-activations kept in floating point.
+(clipped to [-127, 127]). This is the absmax ("symmetric linear") scheme of
+LLM.int8()'s vector-wise quantization (Dettmers et al., 2022, section 3.1)
+without its outlier decomposition, and what vLLM's and TensorRT-LLM's weight-only
+int8 ("W8A16") store.
+
+**int4** — asymmetric, group-wise along the input axis (``GROUP_SIZE`` = 32
+consecutive inputs share a step and an offset; the scheme of llama.cpp's Q4_1 and of
+AWQ / GPTQ with a zero point): ``packed u8[out, in / 2]`` and
+``scale f32[out, in / G, 2]`` holding (step d, offset m) per group; for the group g
+holding input i,
+
+    m = min_{i in g} w[o, i],   d = (max_{i in g} w[o, i] - m) / 15,
+    q[o, i] = clip(round((w[o, i] - m) / d), 0, 15),   w ≈ q · d + m
+
+(a constant group gets d = 1 and q = 0: exact). Both ends of the group are on the
+grid, and every weight within half a step of it: error <= d / 2. The dequantization
+is one multiply-add per weight (``q · d + m``), which the CPU kernel does in
+registers, 16 lanes at a time (``cpu_kernels.matmul_i4``).
+
+Why asymmetric rather than symmetric (Q4_0-like ``(q - 8) · s``, which costs the
+kernel exactly the same multiply-add): measured on the demo model (the fixed text of
+``benchmarks.quantization``, float32 perplexity 28.07), symmetric int4 with
+``s = absmax / 7.5`` (GPTQ's symmetric grid) for every kernel gave perplexity 43.55
+(+55 %), asymmetric 29.48 (+5.0 %), asymmetric with group 64 45.29. The demo model's
+decoder weights are themselves Q4_1 (group 32, asymmetric) dequantized, so the
+asymmetric grid finds them exactly and its whole cost there is the embedding's: this
+measures the format on weights already on a 4-bit grid, not on a fresh float model.
+The extra float per group makes it 6 bits per weight in all (float32 step and offset;
+Q4_1 stores them as float16: 5).
+
+**Which kernels.** With "int4" the decoder's linear kernels are int4 and the
+embedding and the LM head are int8 (``method_for``): as llama.cpp's 4-bit files keep
+``token_embd`` / ``output`` at 6-8 bits and GPTQ / AWQ checkpoints keep them in 16
+bits. Measured: int4 everywhere gave the demo model +5.0 % perplexity, int8 for the
+embedding (tied LM head) +0.3 % (28.14; ``benchmarks.quantization``, docs/model.md).
+
+The packing is llama.cpp's Q4_0 / Q4_1 order: each run of 32 inputs is 16 bytes, byte j
+holding input j in its low nibble and input j + 16 in its high one — so a 16-byte
+load gives the CPU kernel two 16-lane vectors. The input dimension must be a multiple
+of the group size (``check_model`` refuses other models at start-up).
+
+For int8 a zero row gets scale 1 and q = 0, and the error is at most ``scale / 2``
+per element (round to nearest).
 
 Quantized at load time from the float checkpoint (``jaxserve.model.loader``):
 every linear kernel of the decoder (the fused ``qkv_proj`` and
 ``gate_up_proj``, ``o_proj``, ``down_proj``), the LM head and the embedding
-table. The embedding ``[V, D]`` is quantized per row (its "output channel" as
-the tied LM head), and a lookup dequantizes the gathered rows
+table. The embedding ``[V, D]`` is quantized as the tied LM head is (its rows are
+the output channels), and a lookup dequantizes the gathered rows
 (``embed_lookup``). In the parameter pytree a quantized kernel ``name`` keeps
-its name (now int8) and gains a sibling ``name + SCALE_SUFFIX`` (f32[out],
-or ``[L, out]`` for scanned layers); norms and biases stay float.
+its name (now int8 or packed uint8) and gains a sibling ``name + SCALE_SUFFIX``
+(f32[out] or f32[out, in / G, 2], with a leading ``[L]`` for scanned layers); norms
+and biases stay float.
 """
 
 from __future__ import annotations
@@ -31,50 +72,137 @@ import jax.numpy as jnp
 
 # The values of EngineConfig.quantization / LLM(quantization=...) / --quantization, and
 # their check (jax-free, in jaxserve.config, for the engine and api processes).
-from jaxserve.config import QUANTIZATION_METHODS as METHODS, check_quantization as check_method
+from jaxserve.config import (INT4_GROUP_SIZE as GROUP_SIZE, QUANTIZATION_METHODS as METHODS,
+                             check_quantization as check_method)
 # A quantized kernel ``name``'s scale parameter is ``name + SCALE_SUFFIX``.
 SCALE_SUFFIX = "_scale"
 # The parameters quantized (their names in the parameter pytree).
 QUANTIZED_PARAMS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "embed", "lm_head")
+# The parameters "int4" keeps at int8 (module docstring, *Which kernels*).
+INT4_INT8_PARAMS = ("embed", "lm_head")
 _QMAX = 127
+# int4 values are packed in runs of this many inputs (16 bytes: low nibbles, high nibbles).
+PACK = 32
 
 
-def quantize(w: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """w [..., out, in] (any float dtype) → (q i8[..., out, in], scale f32[..., out]).
+def check_int4_shape(in_dim: int, group_size: int = GROUP_SIZE,
+                     name: str = "a kernel's input dimension") -> None:
+    """Raises ValueError (one line, naming ``--quantization int4`` and ``name``) unless
+    ``in_dim`` is a multiple of ``group_size``, itself a power of two and a multiple
+    of ``PACK`` (the CPU kernel's unit)."""
+    if group_size < PACK or group_size & (group_size - 1):
+        raise ValueError(f"int4 group size must be a power of two >= {PACK}, got {group_size}")
+    if in_dim % group_size:
+        raise ValueError(f"--quantization int4 needs every linear input dimension to be a "
+                         f"multiple of its group size {group_size}; {name} is {in_dim}")
 
-    Leading axes (a scanned model's ``[L]``) are kept: each output row of each
-    matrix gets its own scale, ``max|w[..., o, :]| / 127`` (1 for a zero row).
-    Computed in float32.
+
+def check_model(config, quantization: str | None, tensor_parallel_size: int = 1) -> None:
+    """Start-up check of a method against a model (``ModelConfig``): ``check_method``, and for
+    int4 the input dimensions of its kernels — hidden_size (q/k/v, gate/up, the LM head;
+    the embedding's rows), num_heads · head_dim (o_proj), intermediate_size (down_proj).
+
+    Raises:
+      ValueError: one line naming the flag and the offending value.
+    """
+    check_method(quantization, tensor_parallel_size=tensor_parallel_size)
+    if quantization == "int4":
+        for name, dim in (("hidden_size", config.hidden_size),
+                          ("num_attention_heads * head_dim", config.num_heads * config.head_dim),
+                          ("intermediate_size", config.intermediate_size)):
+            check_int4_shape(dim, name=name)
+
+
+def method_for(name: str, quantization: str) -> str:
+    """The method parameter ``name`` (one of ``QUANTIZED_PARAMS``) gets under ``quantization``:
+    int4 keeps ``INT4_INT8_PARAMS`` at int8."""
+    return "int8" if quantization == "int4" and name in INT4_INT8_PARAMS else quantization
+
+
+def quantize(w: jax.Array, method: str = "int8", group_size: int = GROUP_SIZE
+             ) -> tuple[jax.Array, jax.Array]:
+    """w [..., out, in] (any float dtype) → the quantized kernel and its scale (float32 math).
+
+    int8: (q i8[..., out, in], scale f32[..., out]). int4: (packed u8[..., out, in / 2],
+    scale f32[..., out, in / group_size, 2] of (step, offset)). Leading axes (a scanned
+    model's ``[L]``) are kept. Formulas: the module docstring.
+
+    Raises:
+      ValueError: an unknown method, or (int4) ``in`` not a multiple of ``group_size``.
     """
     wf = w.astype(jnp.float32)
-    absmax = jnp.max(jnp.abs(wf), axis=-1)  # [..., out]
-    scale = jnp.where(absmax > 0, absmax / _QMAX, 1.0).astype(jnp.float32)
-    q = jnp.clip(jnp.round(wf / scale[..., None]), -_QMAX, _QMAX).astype(jnp.int8)
-    return q, scale
+    if method == "int8":
+        absmax = jnp.max(jnp.abs(wf), axis=-1)  # [..., out]
+        scale = jnp.where(absmax > 0, absmax / _QMAX, 1.0).astype(jnp.float32)
+        q = jnp.clip(jnp.round(wf / scale[..., None]), -_QMAX, _QMAX).astype(jnp.int8)
+        return q, scale
+    if method != "int4":
+        raise ValueError(f"quantize: method must be 'int8' or 'int4', got {method!r}")
+    check_int4_shape(w.shape[-1], group_size)
+    groups = wf.reshape(*w.shape[:-1], w.shape[-1] // group_size, group_size)
+    low, high = jnp.min(groups, axis=-1), jnp.max(groups, axis=-1)  # [..., out, in / G]
+    step = jnp.where(high > low, (high - low) / 15, 1.0)
+    q = jnp.clip(jnp.round((groups - low[..., None]) / step[..., None]), 0, 15)
+    return _pack(q.reshape(w.shape).astype(jnp.uint8)), jnp.stack([step, low], axis=-1)
+
+
+def _pack(q: jax.Array) -> jax.Array:
+    """int4 values u8[..., in] in [0, 15] → u8[..., in / 2] (``PACK``-runs, low nibbles first)."""
+    runs = q.reshape(*q.shape[:-1], q.shape[-1] // PACK, 2, PACK // 2)
+    return (runs[..., 0, :] | (runs[..., 1, :] << 4)).reshape(*q.shape[:-1], q.shape[-1] // 2)
+
+
+def unpack_int4(packed: jax.Array) -> jax.Array:
+    """u8[..., in / 2] → the int4 values u8[..., in] in [0, 15] (``_pack``'s inverse)."""
+    runs = packed.reshape(*packed.shape[:-1], packed.shape[-1] * 2 // PACK, PACK // 2)
+    nib = jnp.stack([runs & 15, runs >> 4], axis=-2)  # [..., in / 32, 2, 16]
+    return nib.reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
+def method_of(q: jax.Array) -> str:
+    """The method of a quantized kernel, from its dtype: "int8" (int8) or "int4" (uint8)."""
+    if q.dtype == jnp.int8:
+        return "int8"
+    if q.dtype == jnp.uint8:
+        return "int4"
+    raise ValueError(f"not a quantized kernel: dtype {q.dtype}")
+
+
+def params_method(params) -> str | None:
+    """The quantization method of a parameter pytree (None: no quantized kernel in it)."""
+    dtypes = {jnp.dtype(x.dtype) for x in jax.tree.leaves(params)}
+    return ("int4" if jnp.dtype(jnp.uint8) in dtypes else  # (its embedding is int8)
+            "int8" if jnp.dtype(jnp.int8) in dtypes else None)
 
 
 def dequantize(q: jax.Array, scale: jax.Array, dtype: jnp.dtype = jnp.float32) -> jax.Array:
-    """q i8[..., out, in], scale f32[..., out] → [..., out, in] of ``dtype``: q · scale."""
-    return (q.astype(jnp.float32) * scale[..., None]).astype(dtype)
+    """A quantized kernel and its scale (``quantize``'s outputs, either method) → the float
+    kernel [..., out, in] of ``dtype``: q · scale (int4: q · step + offset of its group)."""
+    if method_of(q) == "int8":
+        return (q.astype(jnp.float32) * scale[..., None]).astype(dtype)
+    values = unpack_int4(q).astype(jnp.float32)  # [..., out, in]
+    groups = values.reshape(*scale.shape[:-1], -1)  # [..., out, in / G, G]
+    groups = groups * scale[..., 0:1] + scale[..., 1:2]
+    return groups.reshape(values.shape).astype(dtype)
 
 
 def embed_lookup(q: jax.Array, scale: jax.Array, ids: jax.Array, dtype: jnp.dtype) -> jax.Array:
-    """Rows ``ids`` (i32[T]) of a quantized embedding (q i8[V, D], scale f32[V]) → [T, D] of
-    ``dtype``: the gathered int8 rows times their scales (the table is never dequantized)."""
-    rows = jnp.take(q, ids, axis=0).astype(jnp.float32)  # [T, D]
-    return (rows * jnp.take(scale, ids, axis=0)[:, None]).astype(dtype)
+    """Rows ``ids`` (i32[T]) of a quantized embedding (``quantize`` of [V, D], either method)
+    → [T, D] of ``dtype``: the gathered rows dequantized (the table never is)."""
+    return dequantize(jnp.take(q, ids, axis=0), jnp.take(scale, ids, axis=0), dtype)
 
 
 def quantize_params(params: dict, quantization: str | None) -> dict:
     """A float model's pure-dict parameters → the quantized model's (a new dict).
 
-    Every ``QUANTIZED_PARAMS`` array is replaced by its int8 values and a
+    Every ``QUANTIZED_PARAMS`` array is replaced by its quantized values (``method_for``) and a
     ``+ SCALE_SUFFIX`` sibling is added; everything else is kept. For random
     models and tests; the loader quantizes tensor by tensor as it reads them.
     ``quantization`` None returns ``params`` unchanged.
 
     Raises:
-      ValueError: an unsupported method (``check_method``).
+      ValueError: an unsupported method (``check_method``), or an int4 kernel whose
+        input dimension is not a multiple of ``GROUP_SIZE``.
     """
     check_method(quantization)
     if quantization is None:
@@ -84,7 +212,7 @@ def quantize_params(params: dict, quantization: str | None) -> dict:
         if isinstance(value, dict):
             out[key] = quantize_params(value, quantization)
         elif key in QUANTIZED_PARAMS and value is not None:
-            out[key], out[key + SCALE_SUFFIX] = quantize(value)
+            out[key], out[key + SCALE_SUFFIX] = quantize(value, method_for(key, quantization))
         else:
             out[key] = value
     return out

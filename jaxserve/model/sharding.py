@@ -22,7 +22,8 @@ Kernels are stored ``[out, in]`` (``jaxserve.model.llama.linear``).
   ``<name>_scale`` f32[out] splits with its kernel's output axis — with
   ``qkv_proj`` / ``gate_up_proj`` and, over the vocabulary, the embedding's
   and LM head's — and is replicated for the row-parallel ``o_proj`` /
-  ``down_proj``, whose outputs are not split;
+  ``down_proj``, whose outputs are not split; int4's group scales are not split
+  (int4 with TP > 1 is refused at start-up, ``jaxserve.config.check_quantization``);
 - norms are replicated; the KV cache ``[B, K, S, H]`` is split over its KV
   heads, and attention runs per device under ``jax.shard_map``.
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17jaxserve/generate.proto\x12\x08jaxserve\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"m\n\x04\x43hat\x12\'\n\x08messages\x18\x01 \x03(\x0b\x32\x15.jaxserve.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x18\n\x16_add_generation_prompt\"\xd4\x07\n\x0eSamplingParams\x12\x0e\n\x01n\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x12\n\x05top_k\x18\x07 \x01(\x05H\x06\x88\x01\x01\x12\x12\n\x05min_p\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x04H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x17\n\nignore_eos\x18\x0c \x01(\x08H\t\x88\x01\x01\x12\x17\n\nmax_tokens\x18\r \x01(\x05H\n\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0e \x01(\x05H\x0b\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0f \x01(\x05H\x0c\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x10 \x01(\x05H\r\x88\x01\x01\x12;\n\nlogit_bias\x18\x11 \x03(\x0b\x32\'.jaxserve.SamplingParams.LogitBiasEntry\x12\'\n\x1ainclude_stop_str_in_output\x18\x12 \x01(\x08H\x0e\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x13 \x01(\x08H\x0f\x88\x01\x01\x12*\n\x1dspaces_between_special_tokens\x18\x14 \x01(\x08H\x10\x88\x01\x01\x12\x37\n\x12structured_outputs\x18\x15 \x01(\x0b\x32\x1b.jaxserve.StructuredOutputs\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x04\n\x02_nB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\r\n\x0b_ignore_eosB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x1d\n\x1b_include_stop_str_in_outputB\x16\n\x14_skip_special_tokensB \n\x1e_spaces_between_special_tokens\"\xa9\x01\n\x11StructuredOutputs\x12\x11\n\x04json\x18\x01 \x01(\tH\x00\x88\x01\x01\x12\x18\n\x0bjson_object\x18\x02 \x01(\x08H\x01\x88\x01\x01\x12\x12\n\x05regex\x18\x03 \x01(\tH\x02\x88\x01\x01\x12\x0e\n\x06\x63hoice\x18\x04 \x03(\t\x12\x14\n\x07grammar\x18\x05 \x01(\tH\x03\x88\x01\x01\x42\x07\n\x05_jsonB\x0e\n\x0c_json_objectB\x08\n\x06_regexB\n\n\x08_grammar\"\xdf\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\'\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x12.jaxserve.TokenIdsH\x00\x12\x1e\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x0e.jaxserve.ChatH\x00\x12\x31\n\x0fsampling_params\x18\x05 \x01(\x0b\x32\x18.jaxserve.SamplingParams\x12\x0e\n\x06stream\x18\x06 \x01(\x08\x12\x12\n\ncache_salt\x18\x07 \x01(\tB\x08\n\x06prompt\"[\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\x12\x0c\n\x04rank\x18\x04 \x01(\x05\"\xbd\x01\n\x08\x46inished\x12&\n\x06reason\x18\x01 \x01(\x0e\x32\x16.jaxserve.FinishReason\x12\x15\n\x0bstop_string\x18\x02 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x03 \x01(\x05H\x00\x12\x15\n\rprompt_tokens\x18\x04 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x05 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x06 \x01(\rB\t\n\x07matched\"\xd9\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x0c\n\x04text\x18\x04 \x01(\t\x12)\n\x08logprobs\x18\x05 \x03(\x0b\x32\x17.jaxserve.TokenLogprobs\x12$\n\x08\x66inished\x18\x06 \x01(\x0b\x32\x12.jaxserve.Finished\x12\x30\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x17.jaxserve.TokenLogprobs\"\x15\n\x13GetModelInfoRequest\"\xca\x01\n\x14GetModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x1a\n\x12num_kv_blocks_free\x18\x05 \x01(\r\x12\x1b\n\x13num_kv_blocks_total\x18\x06 \x01(\r\x12\x15\n\reos_token_ids\x18\x07 \x03(\x05\x12\x14\n\x0cquantization\x18\x08 \x01(\t\"J\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\x1e\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x0e.jaxserve.ChatH\x00\x42\x07\n\x05input\"3\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xe8\x01\n\x0fGenerateService\x12\x43\n\x08Generate\x12\x19.jaxserve.GenerateRequest\x1a\x1a.jaxserve.GenerateResponse0\x01\x12M\n\x0cGetModelInfo\x12\x1d.jaxserve.GetModelInfoRequest\x1a\x1e.jaxserve.GetModelInfoResponse\x12\x41\n\x08Tokenize\x12\x19.jaxserve.TokenizeRequest\x1a\x1a.jaxserve.TokenizeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17jaxserve/generate.proto\x12\x08jaxserve\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"j\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12&\n\ntool_calls\x18\x03 \x03(\x0b\x32\x12.jaxserve.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"\x8c\x01\n\x04\x43hat\x12\'\n\x08messages\x18\x01 \x03(\x0b\x32\x15.jaxserve.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x1d\n\x05tools\x18\x03 \x03(\x0b\x32\x0e.jaxserve.ToolB\x18\n\x16_add_generation_prompt\"\xd4\x07\n\x0eSamplingParams\x12\x0e\n\x01n\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x12\n\x05top_k\x18\x07 \x01(\x05H\x06\x88\x01\x01\x12\x12\n\x05min_p\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x04H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x17\n\nignore_eos\x18\x0c \x01(\x08H\t\x88\x01\x01\x12\x17\n\nmax_tokens\x18\r \x01(\x05H\n\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0e \x01(\x05H\x0b\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0f \x01(\x05H\x0c\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x10 \x01(\x05H\r\x88\x01\x01\x12;\n\nlogit_bias\x18\x11 \x03(\x0b\x32\'.jaxserve.SamplingParams.LogitBiasEntry\x12\'\n\x1ainclude_stop_str_in_output\x18\x12 \x01(\x08H\x0e\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x13 \x01(\x08H\x0f\x88\x01\x01\x12*\n\x1dspaces_between_special_tokens\x18\x14 \x01(\x08H\x10\x88\x01\x01\x12\x37\n\x12structured_outputs\x18\x15 \x01(\x0b\x32\x1b.jaxserve.StructuredOutputs\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x04\n\x02_nB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\r\n\x0b_ignore_eosB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x1d\n\x1b_include_stop_str_in_outputB\x16\n\x14_skip_special_tokensB \n\x1e_spaces_between_special_tokens\"\xa9\x01\n\x11StructuredOutputs\x12\x11\n\x04json\x18\x01 \x01(\tH\x00\x88\x01\x01\x12\x18\n\x0bjson_object\x18\x02 \x01(\x08H\x01\x88\x01\x01\x12\x12\n\x05regex\x18\x03 \x01(\tH\x02\x88\x01\x01\x12\x0e\n\x06\x63hoice\x18\x04 \x03(\t\x12\x14\n\x07grammar\x18\x05 \x01(\tH\x03\x88\x01\x01\x42\x07\n\x05_jsonB\x0e\n\x0c_json_objectB\x08\n\x06_regexB\n\n\x08_grammar\"\xdf\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\'\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x12.jaxserve.TokenIdsH\x00\x12\x1e\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x0e.jaxserve.ChatH\x00\x12\x31\n\x0fsampling_params\x18\x05 \x01(\x0b\x32\x18.jaxserve.SamplingParams\x12\x0e\n\x06stream\x18\x06 \x01(\x08\x12\x12\n\ncache_salt\x18\x07 \x01(\tB\x08\n\x06prompt\"[\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\x12\x0c\n\x04rank\x18\x04 \x01(\x05\"\xbd\x01\n\x08\x46inished\x12&\n\x06reason\x18\x01 \x01(\x0e\x32\x16.jaxserve.FinishReason\x12\x15\n\x0bstop_string\x18\x02 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x03 \x01(\x05H\x00\x12\x15\n\rprompt_tokens\x18\x04 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x05 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x06 \x01(\rB\t\n\x07matched\"\xd9\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x0c\n\x04text\x18\x04 \x01(\t\x12)\n\x08logprobs\x18\x05 \x03(\x0b\x32\x17.jaxserve.TokenLogprobs\x12$\n\x08\x66inished\x18\x06 \x01(\x0b\x32\x12.jaxserve.Finished\x12\x30\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x17.jaxserve.TokenLogprobs\"\x15\n\x13GetModelInfoRequest\"\xca\x01\n\x14GetModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x1a\n\x12num_kv_blocks_free\x18\x05 \x01(\r\x12\x1b\n\x13num_kv_blocks_total\x18\x06 \x01(\r\x12\x15\n\reos_token_ids\x18\x07 \x03(\x05\x12\x14\n\x0cquantization\x18\x08 \x01(\t\"J\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\x1e\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x0e.jaxserve.ChatH\x00\x42\x07\n\x05input\"3\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xe8\x01\n\x0fGenerateService\x12\x43\n\x08Generate\x12\x19.jaxserve.GenerateRequest\x1a\x1a.jaxserve.GenerateResponse0\x01\x12M\n\x0cGetModelInfo\x12\x1d.jaxserve.GetModelInfoRequest\x1a\x1e.jaxserve.GetModelInfoResponse\x12\x41\n\x08Tokenize\x12\x19.jaxserve.TokenizeRequest\x1a\x1a.jaxserve.TokenizeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,36 +33,40 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2462
-  _globals['_FINISHREASON']._serialized_end=2582
+  _globals['_FINISHREASON']._serialized_start=2676
+  _globals['_FINISHREASON']._serialized_end=2796
   _globals['_TOKENIDS']._serialized_start=37
   _globals['_TOKENIDS']._serialized_end=60
-  _globals['_CHATMESSAGE']._serialized_start=62
-  _globals['_CHATMESSAGE']._serialized_end=106
-  _globals['_CHAT']._serialized_start=108
-  _globals['_CHAT']._serialized_end=217
-  _globals['_SAMPLINGPARAMS']._serialized_start=220
-  _globals['_SAMPLINGPARAMS']._serialized_end=1200
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=858
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=906
-  _globals['_STRUCTUREDOUTPUTS']._serialized_start=1203
-  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1372
-  _globals['_GENERATEREQUEST']._serialized_start=1375
-  _globals['_GENERATEREQUEST']._serialized_end=1598
-  _globals['_TOKENLOGPROBS']._serialized_start=1600
-  _globals['_TOKENLOGPROBS']._serialized_end=1691
-  _globals['_FINISHED']._serialized_start=1694
-  _globals['_FINISHED']._serialized_end=1883
-  _globals['_GENERATERESPONSE']._serialized_start=1886
-  _globals['_GENERATERESPONSE']._serialized_end=2103
-  _globals['_GETMODELINFOREQUEST']._serialized_start=2105
-  _globals['_GETMODELINFOREQUEST']._serialized_end=2126
-  _globals['_GETMODELINFORESPONSE']._serialized_start=2129
-  _globals['_GETMODELINFORESPONSE']._serialized_end=2331
-  _globals['_TOKENIZEREQUEST']._serialized_start=2333
-  _globals['_TOKENIZEREQUEST']._serialized_end=2407
-  _globals['_TOKENIZERESPONSE']._serialized_start=2409
-  _globals['_TOKENIZERESPONSE']._serialized_end=2460
-  _globals['_GENERATESERVICE']._serialized_start=2585
-  _globals['_GENERATESERVICE']._serialized_end=2817
+  _globals['_TOOLCALL']._serialized_start=62
+  _globals['_TOOLCALL']._serialized_end=117
+  _globals['_CHATMESSAGE']._serialized_start=119
+  _globals['_CHATMESSAGE']._serialized_end=225
+  _globals['_TOOL']._serialized_start=227
+  _globals['_TOOL']._serialized_end=288
+  _globals['_CHAT']._serialized_start=291
+  _globals['_CHAT']._serialized_end=431
+  _globals['_SAMPLINGPARAMS']._serialized_start=434
+  _globals['_SAMPLINGPARAMS']._serialized_end=1414
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=1072
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1120
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=1417
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1586
+  _globals['_GENERATEREQUEST']._serialized_start=1589
+  _globals['_GENERATEREQUEST']._serialized_end=1812
+  _globals['_TOKENLOGPROBS']._serialized_start=1814
+  _globals['_TOKENLOGPROBS']._serialized_end=1905
+  _globals['_FINISHED']._serialized_start=1908
+  _globals['_FINISHED']._serialized_end=2097
+  _globals['_GENERATERESPONSE']._serialized_start=2100
+  _globals['_GENERATERESPONSE']._serialized_end=2317
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2319
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2340
+  _globals['_GETMODELINFORESPONSE']._serialized_start=2343
+  _globals['_GETMODELINFORESPONSE']._serialized_end=2545
+  _globals['_TOKENIZEREQUEST']._serialized_start=2547
+  _globals['_TOKENIZEREQUEST']._serialized_end=2621
+  _globals['_TOKENIZERESPONSE']._serialized_start=2623
+  _globals['_TOKENIZERESPONSE']._serialized_end=2674
+  _globals['_GENERATESERVICE']._serialized_start=2799
+  _globals['_GENERATESERVICE']._serialized_end=3031
 # @@protoc_insertion_point(module_scope)

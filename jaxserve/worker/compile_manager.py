@@ -258,22 +258,6 @@ def _lower_one(exe: StepExecutable, store: ProgramStore | None) -> _Lowered:
     return _Lowered(lowered, in_tree, out_tree, from_store, True)
 
 
-# XLA:CPU crashed the process (SIGSEGV inside ``deserialize_executable``) when
-# two threads loaded executables from the persistent compilation cache at once
-# in jaxlib 0.12: the test suite's process, one thread in ``compile_all``'s pool
-# and one in an earlier engine's ``BackgroundCompile``. On the CPU backend the
-# compiles started here therefore take turns; GPU compiles stay parallel.
-_CPU_COMPILE_LOCK = threading.Lock()
-
-
-def _compile(lowered: jax.stages.Lowered) -> jax.stages.Compiled:
-    """``lowered.compile()``, one at a time per process on the CPU backend."""
-    if jax.default_backend() != "cpu":
-        return lowered.compile()
-    with _CPU_COMPILE_LOCK:
-        return lowered.compile()
-
-
 class _StoreSwitch:
     """One start's program store, turned off at its first failure (logged once)."""
 
@@ -301,14 +285,14 @@ class _StoreSwitch:
         """Compiles ``lowered``; a stored program that fails to compile is compiled anew
         without the store (a genuine error then shows as itself)."""
         try:
-            compiled = _compile(lowered.lowered)
+            compiled = lowered.lowered.compile()
         except Exception as err:  # noqa: BLE001 - compiled again without the store
             if not lowered.via_store:
                 raise
             self.turn_off(f"compiling the stored program of {exe.name} failed: "
                           f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:300]}")
             lowered = _lower_one(exe, None)
-            compiled = _compile(lowered.lowered)
+            compiled = lowered.lowered.compile()
         return StepFunction(exe.name, compiled, lowered.in_tree, lowered.out_tree), \
             lowered.from_store
 
@@ -376,8 +360,7 @@ def compile_all(executables: Sequence[StepExecutable], *, progress: bool = True,
     traced, stored and compiled; the first store failure turns the store off
     for the rest (one log line, ``CompileReport.store_off_reason``). Tracing
     and lowering run one executable at a time; XLA compiles run in
-    ``threads`` threads (default ``compile_threads()``; on the CPU backend
-    they take turns, see ``_compile``). Shows a tqdm
+    ``threads`` threads (default ``compile_threads()``). Shows a tqdm
     progress bar on stderr (``progress``) and logs the total time.
 
     Args:
@@ -450,13 +433,22 @@ class BackgroundCompile:
         self.thread = threading.Thread(target=self._run, args=(list(executables), functions,
                                                               store),
                                        name="background-compile", daemon=True)
-        self.thread.start()
         # A daemon thread still inside an XLA compile when the interpreter
         # finalizes aborts the process (SIGABRT, "FATAL: exception not
         # rethrown"): a script that never shuts its LLM down waits for it.
+        # The thread unregisters this when it ends: the atexit entry holds
+        # ``functions``, so a worker dropped without a shutdown would
+        # otherwise keep every executable (and its memory maps) until exit.
         atexit.register(self._finish)
+        self.thread.start()
 
     def _run(self, executables, functions, store) -> None:
+        try:
+            self._compile(executables, functions, store)
+        finally:
+            atexit.unregister(self._finish)
+
+    def _compile(self, executables, functions, store) -> None:
         start = time.perf_counter()
         switch = _StoreSwitch(store)
         try:

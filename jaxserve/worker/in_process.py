@@ -66,7 +66,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jaxserve.model import sharding
+from jaxserve.model import quantization as quant, sharding
 from jaxserve.model.attention import check_backend, default_backend
 from jaxserve.model.kv_cache import (KVCache, init_kv_cache, kv_cache_bytes_per_block,
                                       kv_cache_shapes)
@@ -223,10 +223,10 @@ class InProcessWorker:
         if is_scanned(self.state) != init.scan_layers:
             raise ValueError(f"scan_layers={init.scan_layers} but the given model was loaded "
                              f"with scan_layers={is_scanned(self.state)}")
-        loaded_int8 = any(x.dtype == jnp.int8 for x in jax.tree.leaves(self.state))
-        if loaded_int8 != (init.quantization == "int8"):
+        loaded_method = quant.params_method(self.state)
+        if loaded_method != init.quantization:
             raise ValueError(f"quantization={init.quantization} but the given model was loaded "
-                             f"{'with' if loaded_int8 else 'without'} int8 weights")
+                             f"with quantization={loaded_method}")
         loaded_tp = len(jax.tree.leaves(self.state)[0].sharding.device_set)
         if loaded_tp != init.tensor_parallel_size:
             raise ValueError(f"tensor_parallel_size={init.tensor_parallel_size} but the given "

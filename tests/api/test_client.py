@@ -9,6 +9,7 @@ cancellation and the health service. The echo "model" is described in
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -17,6 +18,7 @@ import pytest
 
 from jaxserve.api.prompts import RequestPreparer
 from jaxserve.client import Client, GenerateResult, JaxServeError, StreamDelta, Usage
+from jaxserve.client.types import build_tokenize_request
 from jaxserve.proto import generate_pb2 as pb
 from jaxserve.proto.convert import sampling_params_kwargs_from_proto
 from jaxserve.sampling_params import SamplingParams
@@ -123,6 +125,32 @@ def test_prompt_kinds(client, server):
         client.generate()
     with pytest.raises(ValueError, match="^temprature"):
         client.generate("x", temprature=1.0)
+
+
+def test_a_chat_with_tools_and_tool_calls_arrives_whole(client, server):
+    """OpenAI-shaped messages (an assistant's tool_calls, a tool's tool_call_id) and tools go
+    into the Chat message: arguments and parameters as JSON text."""
+    tools = [{"type": "function", "function": {
+        "name": "get_weather", "description": "weather now",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}},
+        {"type": "function", "function": {"name": "get_time"}}]
+    messages = [{"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "c1", "type": "function",
+                     "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}},
+                    {"id": "c2", "type": "function",
+                     "function": {"name": "get_time", "arguments": "{}"}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    client.chat(messages, tools=tools)
+    chat = last_request(server).chat
+    assert [(t.name, t.description, t.parameters and json.loads(t.parameters))
+            for t in chat.tools] == [("get_weather", "weather now",
+                                      tools[0]["function"]["parameters"]), ("get_time", "", "")]
+    assert [(c.id, c.name, json.loads(c.arguments)) for c in chat.messages[1].tool_calls] == [
+        ("c1", "get_weather", {"city": "Oslo"}), ("c2", "get_time", {})]
+    assert chat.messages[1].content == "" and chat.messages[2].tool_call_id == "c1"
+    assert client.tokenize(messages=messages, tools=tools).text.startswith("user: Weather?")
+    assert build_tokenize_request(None, messages, None, tools).chat == chat
 
 
 @pytest.mark.parametrize("code", ["INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "UNAVAILABLE",

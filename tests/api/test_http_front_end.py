@@ -259,3 +259,83 @@ def test_a_malformed_response_format_is_a_400_naming_the_field(served, endpoint,
     error = _error(served.post(f"/v1/{endpoint}", json={**body,
                                                         "response_format": response_format}), 400)
     assert error["param"] == param, error
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "parameters": {"type": "object",
+                                          "properties": {"city": {"type": "string"}}}}}
+CHAT = [{"role": "user", "content": "x"}]
+
+
+@pytest.mark.parametrize("extra,param,words", [
+    ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"tool_choice": "auto"}, "tool_choice", "needs tools"),
+    ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice",
+     "needs tools"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_time"}}},
+     "tool_choice", "'get_time', which is not one of tools: get_weather"),
+    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice", ""),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"},
+                                          "extra": 1}}, "tool_choice.extra", ""),
+    ({"tools": []}, "tools", "at least 1"),
+    ({"tools": [WEATHER, WEATHER]}, "tools", "two tools are named 'get_weather'"),
+    ({"tools": [{"type": "retrieval", "function": WEATHER["function"]}]}, "tools[0].type", ""),
+    ({"tools": [{"type": "function", "function": {"name": "get weather"}}]},
+     "tools[0].function.name", "pattern"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "{}"}}]},
+     "tools[0].function.parameters", ""),
+    ({"tools": [WEATHER], "parallel_tool_calls": "no"}, "parallel_tool_calls", ""),
+])
+def test_malformed_tools_are_400s_naming_the_field(client, extra, param, words):
+    reply = client.post("/v1/chat/completions", json={"messages": CHAT, **extra}, headers=AUTH)
+    error = _error(reply, 400)
+    assert error["param"] == param and error["message"].startswith(param + ": "), error
+    assert words in error["message"]
+
+
+@pytest.mark.parametrize("message,param", [
+    ({"role": "assistant", "tool_calls": [{"id": "c1", "function": {"name": "f"}}]},
+     "messages[1].tool_calls[0].function.arguments"),
+    ({"role": "assistant", "tool_calls": [{"id": "c1", "type": "call",
+                                           "function": {"name": "f", "arguments": "{}"}}]},
+     "messages[1].tool_calls[0].type"),
+    ({"role": "tool", "content": "sunny", "tool_call_id": 7}, "messages[1].tool_call_id"),
+])
+def test_malformed_tool_messages_are_400s_naming_the_field(client, message, param):
+    reply = client.post("/v1/chat/completions", json={"messages": [*CHAT, message]},
+                        headers=AUTH)
+    error = _error(reply, 400)
+    assert error["param"] == param and error["message"].startswith(param + ": "), error
+
+
+@pytest.mark.parametrize("arguments", ['{"a": ', "[1]", "7"])
+def test_call_arguments_that_are_not_a_json_object_are_400s(served, arguments):
+    """Checked where the chat is rendered (before the model's template is needed)."""
+    message = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}]}
+    error = _error(served.post("/v1/chat/completions", json={"messages": [*CHAT, message]}), 400)
+    param = "messages[1].tool_calls[0].function.arguments"
+    assert error["param"] == param and "JSON text of an object" in error["message"], error
+
+
+@pytest.mark.parametrize("extra", [{"tools": [WEATHER]}, {"tools": [WEATHER],
+                                                         "tool_choice": "auto"}])
+def test_auto_tool_choice_needs_the_servers_flags(served, extra):
+    """As vLLM: tools with tool_choice auto (asked, or the default) need
+    --enable-auto-tool-choice and --tool-call-parser."""
+    error = _error(served.post("/v1/chat/completions", json={"messages": CHAT, **extra}), 400)
+    assert error["param"] == "tool_choice"
+    assert "--enable-auto-tool-choice and --tool-call-parser" in error["message"]
+
+
+@pytest.mark.parametrize("structured", [{"response_format": {"type": "json_object"}},
+                                        {"structured_outputs": {"regex": "a+"}}])
+def test_a_forced_tool_call_does_not_go_with_structured_outputs(served, structured):
+    body = {"messages": CHAT, "tools": [WEATHER], "tool_choice": "required", **structured}
+    error = _error(served.post("/v1/chat/completions", json=body), 400)
+    assert error["param"] == "tool_choice" and "cannot go with" in error["message"]
+
+
+def test_an_unknown_tool_call_parser_is_refused():
+    with pytest.raises(ValueError, match="unknown tool call parser 'qwen'"):
+        HttpFrontEnd(tool_parser="qwen")

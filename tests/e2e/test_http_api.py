@@ -16,6 +16,12 @@ that certificate. The official ``openai`` client (sync and async) and raw
   ``prompt_logprobs`` carry the same values. Structured outputs
   (``response_format`` json_schema / json_object, vLLM's ``structured_outputs``
   choice / regex) follow their constraint.
+- Tool calling (the server runs ``--enable-auto-tool-choice --tool-call-parser
+  hermes``): ``tool_choice`` required and named return ``tool_calls`` whose
+  arguments validate against the tool's parameters (``jsonschema``), whole
+  and as streamed ``delta.tool_calls``; the calls and a tool result go back
+  into the chat (HTTP and gRPC render it alike); ``auto`` without a call
+  (the demo model writes none) returns the text.
 - Both transports refuse calls without the key (401 / ``UNAUTHENTICATED``);
   health stays open.
 - A table of bad requests (a schema or regex that does not compile among
@@ -87,7 +93,8 @@ def server(demo_model_dir, tmp_path_factory):
     cert, key = _self_signed(tmp_path_factory.mktemp("tls"))
     flags = tuple(x for k, v in ENGINE.items() for x in ("--" + k.replace("_", "-"), str(v)))
     with serve(demo_model_dir, flags, http_port=free_port(), served_model_name=MODEL,
-               api_key=API_KEY, ssl_certfile=str(cert), ssl_keyfile=str(key)) as launcher:
+               api_key=API_KEY, ssl_certfile=str(cert), ssl_keyfile=str(key),
+               tool_call_parser="hermes") as launcher:
         launcher.cert = cert
         launcher.tls = ssl.create_default_context(cafile=str(cert))
         launcher.base_url = f"https://localhost:{launcher.options.http_port}"
@@ -290,6 +297,101 @@ def test_structured_outputs_response_format_and_extra_body(oai, grpc_client):
     assert via_grpc.text == digits.choices[0].text
 
 
+# ------------------------------------------------------------ tool calling
+TOOLS = [
+    {"type": "function", "function": {
+        "name": "get_weather", "description": "The current weather in a city",
+        "parameters": {"type": "object", "properties": {
+            "city": {"type": "string", "maxLength": 20},
+            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"], "additionalProperties": False}}},
+    {"type": "function", "function": {
+        "name": "get_time", "description": "The local time in a time zone",
+        "parameters": {"type": "object", "properties": {
+            "timezone": {"type": "string", "maxLength": 20}},
+            "required": ["timezone"], "additionalProperties": False}}},
+]
+PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+TOOL_CHAT = [{"role": "user", "content": "What is the weather in Paris right now?"}]
+
+
+def _streamed_calls(stream) -> tuple[str, list[tuple[str, str, str]], str | None]:
+    """(content, [(id, name, arguments)], finish reason) rebuilt from a chat stream's deltas."""
+    content, calls, reason = "", {}, None
+    for chunk in stream:
+        (choice,) = chunk.choices
+        delta = choice.delta
+        content += delta.content or ""
+        for part in delta.tool_calls or ():
+            if part.id is not None:  # the call's header comes first, with an empty arguments
+                assert part.index == len(calls) and part.type == "function"
+                calls[part.index] = [part.id, part.function.name, part.function.arguments]
+            else:
+                assert part.function.name is None
+                calls[part.index][2] += part.function.arguments
+        reason = choice.finish_reason or reason
+    return content, [tuple(c) for _, c in sorted(calls.items())], reason
+
+
+@pytest.mark.parametrize("tool_choice", ["required",
+                                         {"type": "function", "function": {"name": "get_time"}}])
+def test_forced_tool_calls_follow_the_tools_schemas(oai, tool_choice):
+    """tool_choice required / named: structured outputs force calls whose arguments validate
+    against the function's parameters; streamed, the same calls arrive as delta.tool_calls."""
+    args = dict(model=MODEL, messages=TOOL_CHAT, tools=TOOLS, tool_choice=tool_choice,
+                max_tokens=96, temperature=0)
+    whole = oai.chat.completions.create(**args)
+    (choice,) = whole.choices
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    calls = choice.message.tool_calls
+    assert calls
+    for call in calls:
+        assert re.fullmatch("chatcmpl-tool-[0-9a-f]{32}", call.id) and call.type == "function"
+        jsonschema.validate(json.loads(call.function.arguments), PARAMETERS[call.function.name])
+    if isinstance(tool_choice, dict):
+        assert [c.function.name for c in calls] == ["get_time"]
+    content, streamed, reason = _streamed_calls(oai.chat.completions.create(**args, stream=True))
+    assert content == "" and reason == "tool_calls"
+    assert [(name, arguments) for _, name, arguments in streamed] == [
+        (c.function.name, c.function.arguments) for c in calls]  # greedy: the same calls
+    assert all(re.fullmatch("chatcmpl-tool-[0-9a-f]{32}", i) for i, _, _ in streamed)
+
+
+def test_tool_results_go_back_into_the_chat(oai, grpc_client):
+    """The assistant's calls (the reply's message, as the client sends it back) and a tool
+    message with the result make the next prompt; tool_choice none: a plain reply."""
+    first = oai.chat.completions.create(model=MODEL, messages=TOOL_CHAT, tools=TOOLS,
+                                        tool_choice="required", max_tokens=96, temperature=0)
+    message = first.choices[0].message
+    messages = [*TOOL_CHAT, message, *[
+        {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 21 degrees."}
+        for call in message.tool_calls]]
+    reply = oai.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS,
+                                        tool_choice="none", max_tokens=16, temperature=0)
+    (choice,) = reply.choices
+    assert choice.message.content and choice.message.tool_calls is None
+    assert choice.finish_reason in ("stop", "length")
+    assert reply.usage.prompt_tokens > first.usage.prompt_tokens
+    # gRPC: the same chat and tools render the same prompt (greedy: the same reply)
+    as_dicts = [*TOOL_CHAT, message.model_dump(include={"role", "content", "tool_calls"}),
+                *messages[len(TOOL_CHAT) + 1:]]
+    via_grpc = grpc_client.chat(as_dicts, tools=TOOLS, max_tokens=16, temperature=0)
+    assert via_grpc.text == choice.message.content
+
+
+def test_auto_tool_choice_without_a_call_is_content(oai):
+    """--enable-auto-tool-choice --tool-call-parser hermes: the demo model writes no
+    <tool_call>, so the reply is its text, whole and streamed alike."""
+    args = dict(model=MODEL, messages=CHAT, tools=TOOLS, max_tokens=16, temperature=0)
+    whole = oai.chat.completions.create(**args)  # tool_choice left out: auto
+    (choice,) = whole.choices
+    assert "<tool_call>" not in choice.message.content and choice.message.tool_calls is None
+    assert choice.finish_reason in ("stop", "length")
+    content, calls, reason = _streamed_calls(oai.chat.completions.create(
+        **args, tool_choice="auto", stream=True))
+    assert (content, calls, reason) == (choice.message.content, [], choice.finish_reason)
+
+
 # ---------------------------------------------------------------- security
 def test_api_key_is_required_on_both_transports(server, grpc_client):
     for headers in ({}, {"Authorization": "Bearer wrong"}):
@@ -344,8 +446,15 @@ BAD_REQUESTS = [
     ("chat/completions", {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, 400,
      "messages[0].content[0]"),
+    ("chat/completions", {"messages": CHAT, "tools": []}, 400, "tools"),
+    ("chat/completions", {"messages": CHAT, "tool_choice": "required"}, 400, "tool_choice"),
+    ("chat/completions", {"messages": CHAT, "tools": TOOLS, "tool_choice": {
+        "type": "function", "function": {"name": "get_wind"}}}, 400, "tool_choice"),
+    ("chat/completions", {"messages": CHAT, "tools": TOOLS, "tool_choice": "required",
+                          "response_format": {"type": "json_object"}}, 400, "tool_choice"),
     ("chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {
-        "name": "f"}}]}, 400, "tools"),
+        "name": "f", "parameters": {"type": "nonsense"}}}], "tool_choice": "required"}, 400,
+     "tools"),
     ("chat/completions", {"messages": CHAT, "response_format": {"type": "json_schema"}}, 400,
      "response_format.json_schema"),
     ("chat/completions", {"messages": CHAT, "response_format": {"type": "xml"}}, 400,

@@ -46,12 +46,13 @@ def test_the_demo_ladder_is_decode_and_the_budget():
     assert (args.max_num_seqs, args.max_num_batched_tokens, args.token_buckets) == (1, 64, ())
 
 
+@pytest.mark.parametrize("method", ["int8", "int4"])
 @pytest.mark.parametrize("flag", ["--quantization", "-q"])
-def test_quantization_reaches_the_engine_process_and_the_worker(flag):
-    args = _parse(flag, "int8")
+def test_quantization_reaches_the_engine_process_and_the_worker(flag, method):
+    args = _parse(flag, method)
     config = engine_config(args)
-    assert config.quantization == "int8" and config.worker_init().quantization == "int8"
-    assert engine_config(_parse(*engine_flags(args))).quantization == "int8"
+    assert config.quantization == method and config.worker_init().quantization == method
+    assert engine_config(_parse(*engine_flags(args))).quantization == method
     default = _parse()
     assert "--quantization" not in engine_flags(default)
     assert engine_config(default).quantization is None
@@ -64,6 +65,6 @@ def test_quantization_reaches_the_engine_process_and_the_worker(flag):
 def test_engine_config_refuses_an_unsupported_quantization_in_one_line(bad):
     from jaxserve.engine.config import EngineConfig
 
-    with pytest.raises(ValueError, match=r"^quantization must be one of None, 'int8'; got ") as err:
+    with pytest.raises(ValueError, match=r"^quantization must be one of None, 'int8', 'int4'; got ") as err:
         EngineConfig(quantization=bad)
     assert "\n" not in str(err.value)

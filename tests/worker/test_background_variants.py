@@ -70,3 +70,27 @@ def test_a_variant_not_yet_compiled_is_served_by_a_covering_one_with_the_same_to
     assert not later & set(early_worker.executed_variants), early_worker.executed_variants
     assert got == expected
     assert all(len(t) == 6 for t in got.values())
+
+
+def test_a_worker_dropped_without_shutdown_frees_its_executables(tiny):
+    """Nothing process-wide (an atexit entry of the background compile) keeps a
+    worker's executables alive once the worker is dropped: each XLA:CPU
+    executable maps memory regions, and a process that leaked every dropped
+    engine's reached Linux's map limit and died loading the next one."""
+    import gc
+    import weakref
+
+    config = EngineConfig(
+        max_model_len=64, seed=11,
+        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16,
+                                  token_buckets=(1, 4, 16), request_buckets=R_LADDER),
+        cache=CacheConfig(block_size=4, num_kv_blocks=64))
+    worker = InProcessWorker(tiny, progress=False)
+    engine = EngineCore(config, worker)
+    worker.background_compile.join()
+    dropped = weakref.ref(worker)
+    executables = [weakref.ref(f.compiled) for f in worker.functions.values()]
+    del engine, worker
+    gc.collect()
+    assert dropped() is None
+    assert executables and all(ref() is None for ref in executables)

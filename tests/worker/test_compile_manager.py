@@ -138,39 +138,3 @@ def test_precompile_off_compiles_on_first_use(tiny):
     while engine.has_unfinished_requests():
         engine.step()  # lazy compiles are allowed: the guard is not armed
     assert worker.guard.num_recompiles == 0
-
-
-def test_cpu_compiles_from_two_threads_take_turns():
-    """compile_all's pool and a BackgroundCompile never run XLA:CPU compiles at once.
-
-    Two threads loading executables from the persistent cache at once crashed
-    the process (SIGSEGV in ``deserialize_executable``); ``_compile`` holds a
-    process-wide lock on CPU. The fake lowering records how many compiles
-    overlap; without the lock both threads are inside ``compile`` together.
-    """
-    from jaxserve.worker import compile_manager
-
-    assert jax.default_backend() == "cpu"
-    inside, most, lock = [0], [0], threading.Lock()
-    both_started = threading.Barrier(2)
-
-    class Lowered:
-        def compile(self):
-            with lock:
-                inside[0] += 1
-                most[0] = max(most[0], inside[0])
-            threading.Event().wait(0.2)
-            with lock:
-                inside[0] -= 1
-            return "compiled"
-
-    def run():
-        both_started.wait()
-        assert compile_manager._compile(Lowered()) == "compiled"
-
-    threads = [threading.Thread(target=run) for _ in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert most[0] == 1

@@ -47,6 +47,7 @@ from jaxserve.api.openai.protocol import (FIELD_NAMES, ChatCompletionRequest,
 from jaxserve.api.openai.serving import (OpenAIResult, OpenAIServing, check_model, error_body,
                                          http_status)
 from jaxserve.api.runner import ApiError, RequestRunner
+from jaxserve.api.tool_parsers import tool_parser as tool_parser_named
 from jaxserve.validation import check_token_ids
 
 _OPEN_PATHS = ("/health",)  # reachable without the API key (probes)
@@ -57,16 +58,22 @@ class HttpFrontEnd:
 
     Args:
       api_key: required as ``Authorization: Bearer <key>``, or None for none.
+      tool_parser: the ``--tool-call-parser`` name when ``--enable-auto-tool-choice``
+        is on (``jaxserve.api.tool_parsers.PARSERS``), else None.
+
+    Raises:
+      ValueError: an unknown ``tool_parser``.
     """
 
-    def __init__(self, api_key: str | None = None) -> None:
+    def __init__(self, api_key: str | None = None, tool_parser: str | None = None) -> None:
         self.api_key = api_key
+        self.tool_parser = tool_parser and tool_parser_named(tool_parser)
         self.serving: OpenAIServing | None = None
         self.app = build_app(self)
 
     def attach(self, runner: RequestRunner) -> None:
         """Starts serving requests through ``runner`` (the engine is ready)."""
-        self.serving = OpenAIServing(runner)
+        self.serving = OpenAIServing(runner, tool_parser=self.tool_parser)
 
     def _serving(self) -> OpenAIServing:
         if self.serving is None:

@@ -10,7 +10,12 @@ Chat Completions) and vLLM's extensions to it (``top_k``, ``min_p``,
 requests written for vLLM's server work unchanged. Structured outputs come
 as OpenAI's ``response_format`` (``text``, ``json_object``, ``json_schema``)
 or vLLM's ``structured_outputs`` object (``json``, ``json_object``,
-``regex``, ``choice``, ``grammar``), on both endpoints.
+``regex``, ``choice``, ``grammar``), on both endpoints. Chat takes OpenAI's
+``tools`` / ``tool_choice`` / ``parallel_tool_calls`` (checked here: strict
+types, distinct names, a ``tool_choice`` other than ``"none"`` needs tools
+and may only name one of them; what each choice does is
+``jaxserve.api.tool_calling``) and messages with ``tool_calls`` /
+``tool_call_id``.
 
 A field the request does not set stays ``None`` and takes the server's
 default (the model's generation config, else ``SamplingParams``' default).
@@ -23,9 +28,10 @@ this server cannot honour when set to anything but their no-op value
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationInfo,
+                      field_validator)
 
 
 def _has_lone_surrogate(value: Any) -> bool:
@@ -144,12 +150,75 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
 
 
+class ToolCallFunction(_Body):
+    """``tool_calls[].function`` of an assistant message: ``arguments`` is JSON text of an
+    object (checked where the chat is rendered, ``jaxserve.api.prompts.template_messages``)."""
+
+    name: str = Field(min_length=1)
+    arguments: str
+
+
+class MessageToolCall(_Body):
+    """One entry of an assistant message's ``tool_calls`` (as a reply returned it)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Body):
-    """One chat message; ``content`` is a string or a list of text parts."""
+    """One chat message; ``content`` is a string or a list of text parts.
+
+    An assistant message may carry the ``tool_calls`` it made (``content``
+    then may be null); a ``tool`` message answers the call ``tool_call_id``.
+    ``refusal`` (null) is accepted as OpenAI's client echoes it back.
+    """
 
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
+    refusal: None = None
+
+
+class FunctionDefinition(_Body):
+    """``tools[].function``: a function the model may call.
+
+    ``parameters`` is the JSON schema of its arguments object (left out: no
+    arguments, ``{"type": "object", "properties": {}}``); ``strict`` is
+    accepted, and constrained calls always follow the schema.
+    """
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(_Body):
+    """One entry of ``tools``: ``{"type": "function", "function": {...}}``."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    """``tool_choice`` naming one function: ``{"type": "function", "function": {"name"}}``."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+# A string is one of the modes, an object names a function (errors name the branch taken).
+ToolChoice = Annotated[
+    Annotated[Literal["none", "auto", "required"], Tag("mode")]
+    | Annotated[NamedToolChoice, Tag("named")],
+    Discriminator(lambda v: "named" if isinstance(v, (dict, NamedToolChoice)) else "mode")]
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -165,12 +234,13 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    # function calling (see jaxserve.api.tool_calling)
+    tools: list[ToolDefinition] | None = Field(default=None, min_length=1)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     # OpenAI fields accepted only at their no-op value (UNSUPPORTED_FIELDS)
-    tools: list[Any] | None = None
-    tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
-    parallel_tool_calls: bool | None = None
     modalities: list[str] | None = None
     audio: Any = None
     prediction: Any = None
@@ -179,15 +249,41 @@ class ChatCompletionRequest(SamplingFields):
     service_tier: str | None = None
     reasoning_effort: str | None = None
 
+    @field_validator("tools")
+    @classmethod
+    def _distinct_names(cls, tools: list[ToolDefinition] | None) -> list[ToolDefinition] | None:
+        names = [t.function.name for t in tools or ()]
+        for name in names:
+            if names.count(name) > 1:
+                raise ValueError(f"two tools are named {name!r}; names must be distinct")
+        return tools
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_of_the_tools(cls, choice: Any, info: ValidationInfo) -> Any:
+        # "tools" is validated before "tool_choice" (field order); absent if it failed
+        if "tools" not in info.data or choice in (None, "none"):
+            return choice
+        tools = info.data["tools"]
+        if not tools:
+            raise ValueError(f"{_choice_text(choice)} needs tools (set tools)")
+        names = [t.function.name for t in tools]
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"names the function {choice.function.name!r}, which is not one "
+                             f"of tools: {', '.join(names)}")
+        return choice
+
+
+def _choice_text(choice: Any) -> str:
+    return (f"tool_choice {choice!r}" if isinstance(choice, str)
+            else f"a named tool_choice ({choice.function.name!r})")
+
 
 # field -> the values that mean "not used" (anything else is refused with a 400)
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "parallel_tool_calls": (None, False, True),
     "modalities": (None, ["text"]),
     "audio": (None,),
     "prediction": (None,),

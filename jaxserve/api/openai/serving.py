@@ -13,6 +13,12 @@ preparer's field names (``sampling_params.top_p``, ``text``,
 ``chat.messages``) are mapped to the request's own (``top_p``, ``prompt``,
 ``messages``).
 
+Chat requests with ``tools`` get a ``ToolCallPlan`` (``jaxserve.api.tool_calling``):
+its JSON schema becomes the request's structured outputs (``required``, a
+named function), and its parser turns each choice's text into
+``message.tool_calls`` — or, streamed, ``delta.tool_calls`` through a
+``ToolCallStream`` per choice — with finish reason ``tool_calls``.
+
 Response shapes follow the OpenAI API reference; ``stop_reason`` (the stop
 string or stop token id that ended a choice, else null),
 ``prompt_tokens_details.cached_tokens`` (prompt tokens served from the prefix
@@ -39,9 +45,11 @@ from typing import Any
 import grpc
 
 from jaxserve.api.openai.protocol import (UNSUPPORTED_FIELDS, ChatCompletionRequest,
-                                          CompletionRequest, SamplingFields)
+                                          CompletionRequest, NamedToolChoice, SamplingFields)
 from jaxserve.api.prompts import PreparedRequest
 from jaxserve.api.runner import ApiError, RequestRunner, RunningRequest
+from jaxserve.api.tool_calling import NO_TOOLS, ToolCallPlan, ToolChoiceError, plan_tool_calls
+from jaxserve.api.tool_parsers import ToolParser, new_tool_call_id
 from jaxserve.outputs import finite_logprob
 from jaxserve.proto import generate_pb2 as pb
 from jaxserve.proto.convert import finish_reason_from_proto
@@ -76,10 +84,13 @@ class OpenAIServing:
 
     Args:
       runner: the api process's request runner.
+      tool_parser: the ``--tool-call-parser`` that reads ``tool_choice="auto"``
+        replies (``--enable-auto-tool-choice``), or None: ``auto`` is refused.
     """
 
-    def __init__(self, runner: RequestRunner) -> None:
+    def __init__(self, runner: RequestRunner, tool_parser: ToolParser | None = None) -> None:
         self.runner = runner
+        self.tool_parser = tool_parser
         self.tokenizer = runner.preparer.tokenizer
         self._token_text = functools.lru_cache(maxsize=65536)(self._decode_one)
 
@@ -88,8 +99,10 @@ class OpenAIServing:
 
     # ------------------------------------------------------------- requests
     def _params(self, body: SamplingFields, *, max_tokens: int | None, max_tokens_param: str,
-                logprobs: int | None, logprobs_param: str, prompt_logprobs: int | None = None):
-        """Validated ``SamplingParams`` from the body's explicit fields."""
+                logprobs: int | None, logprobs_param: str, prompt_logprobs: int | None = None,
+                tools: ToolCallPlan = NO_TOOLS):
+        """Validated ``SamplingParams`` from the body's explicit fields (and the tool plan's
+        constraint and special-token rule)."""
         for name, allowed in UNSUPPORTED_FIELDS.items():
             if name in type(body).model_fields and getattr(body, name) not in allowed:
                 raise bad_request(self.runner, name, "not supported by this server")
@@ -116,7 +129,17 @@ class OpenAIServing:
             kwargs["logit_bias"] = bias
         renames = {"max_tokens": max_tokens_param, "logprobs": logprobs_param}
         structured = self._structured_outputs(body)
-        if structured is not None:
+        if tools.parser is not None and tools.parser.needs_special_tokens:
+            kwargs.setdefault("skip_special_tokens", False)  # its markers are special tokens
+        if tools.schema is not None:
+            if structured is not None:
+                raise bad_request(self.runner, "tool_choice",
+                                  f"tool_choice {tools.mode!r} constrains the output, so it "
+                                  f"cannot go with {structured[1]}; set one of them")
+            kwargs["structured_outputs"] = {"json": tools.schema}
+            renames.update({"structured_outputs": "tool_choice",
+                            "structured_outputs.json": "tools"})
+        elif structured is not None:
             kwargs["structured_outputs"], source = structured
             if source == "response_format":
                 renames.update({"structured_outputs": "response_format",
@@ -205,10 +228,38 @@ class OpenAIServing:
                                           "...}) are supported")
                     parts.append(part["text"])
                 content = "".join(parts)
-            messages.append(pb.ChatMessage(role=message.role, content=content or ""))
-        chat = pb.Chat(messages=messages, add_generation_prompt=body.add_generation_prompt)
+            calls = [pb.ToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments)
+                     for c in message.tool_calls or ()]
+            messages.append(pb.ChatMessage(role=message.role, content=content or "",
+                                           tool_calls=calls,
+                                           tool_call_id=message.tool_call_id or ""))
+        tools = [pb.Tool(name=t.function.name, description=t.function.description or "",
+                         parameters=json.dumps(t.function.parameters)
+                         if t.function.parameters is not None else "")
+                 for t in body.tools or ()]
+        chat = pb.Chat(messages=messages, add_generation_prompt=body.add_generation_prompt,
+                       tools=tools)
         with self._errors({}):
-            return self.runner.preparer.encode_chat(chat, field="messages")[1]
+            return self.runner.preparer.encode_chat(chat, field="messages", tools_field="tools",
+                                                    arguments_path="function.arguments")[1]
+
+    def tool_plan(self, body: ChatCompletionRequest) -> ToolCallPlan:
+        """The request's ``ToolCallPlan`` (``jaxserve.api.tool_calling``).
+
+        Raises:
+          ApiError: 400 naming ``tool_choice`` for ``auto`` on a server without
+            ``--enable-auto-tool-choice``.
+        """
+        choice = body.tool_choice
+        if isinstance(choice, NamedToolChoice):
+            choice = {"name": choice.function.name}
+        try:
+            return plan_tool_calls({t.function.name: t.function.parameters
+                                    for t in body.tools or ()}, choice,
+                                   auto_parser=self.tool_parser,
+                                   parallel=body.parallel_tool_calls is not False)
+        except ToolChoiceError as err:
+            raise bad_request(self.runner, "tool_choice", str(err)) from None
 
     def _admissible(self, body: SamplingFields) -> None:
         """Serving, and the body names the served model (or none)."""
@@ -216,7 +267,8 @@ class OpenAIServing:
         check_model(self.runner, body.model)
 
     async def _run(self, kind: str, id_prefix: str, prepared: list[PreparedRequest],
-                   body: SamplingFields, echo: list[str] | None) -> "OpenAIResult":
+                   body: SamplingFields, echo: list[str] | None,
+                   tools: ToolCallPlan = NO_TOOLS) -> "OpenAIResult":
         """Starts one engine request per prompt (all or none) and wraps them."""
         request_id = body.request_id or f"{id_prefix}-{uuid.uuid4().hex}"
         started: list[RunningRequest] = []
@@ -233,14 +285,15 @@ class OpenAIServing:
             if not field.startswith("sampling_params.structured_outputs"):
                 raise
             fmt = body.response_format
-            param = ("response_format" if fmt is not None and fmt.type != "text"
+            param = ("tools" if tools.schema is not None
+                     else "response_format" if fmt is not None and fmt.type != "text"
                      else field.removeprefix("sampling_params."))
             raise ApiError(err.code, param + err.message[len(field):], param) from None
         except BaseException:
             for running in started:
                 running.close()
             raise
-        return OpenAIResult(self, kind, request_id, started, prepared, echo=echo,
+        return OpenAIResult(self, kind, request_id, started, prepared, echo=echo, tools=tools,
                             include_usage=bool(body.stream_options
                                                and body.stream_options.include_usage),
                             as_ids=body.return_tokens_as_token_ids,
@@ -285,13 +338,14 @@ class OpenAIServing:
         if body.top_logprobs is not None and not body.logprobs:
             raise bad_request(self.runner, "top_logprobs", "needs logprobs: true")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        tools = self.tool_plan(body)
         params = self._params(body, max_tokens=body.max_completion_tokens or body.max_tokens,
                               max_tokens_param=max_param, logprobs=logprobs,
                               logprobs_param="top_logprobs",
-                              prompt_logprobs=body.prompt_logprobs)
+                              prompt_logprobs=body.prompt_logprobs, tools=tools)
         prepared = [self._prepare_tokens(self.chat_prompt(body), params, "messages",
                                          {"max_tokens": max_param})]
-        return await self._run("chat.completion", "chatcmpl", prepared, body, None)
+        return await self._run("chat.completion", "chatcmpl", prepared, body, None, tools)
 
     # ------------------------------------------------------------ logprobs
     def token_text(self, token_id: int, as_id: bool) -> str:
@@ -383,12 +437,15 @@ class OpenAIResult:
       as_ids: logprob tokens as ``"token_id:<id>"``.
       continuous_usage: streamed: every chunk carries the usage so far (vLLM's
         ``stream_options.continuous_usage_stats``).
+      tools: chat: how replies are read for tool calls (``message.tool_calls``,
+        ``delta.tool_calls``; finish reason ``tool_calls`` for a reply that
+        made calls and stopped on its own).
     """
 
     def __init__(self, serving: OpenAIServing, kind: str, request_id: str,
                  running: list[RunningRequest], prepared: list[PreparedRequest], *,
                  echo: list[str] | None, include_usage: bool, as_ids: bool,
-                 continuous_usage: bool = False) -> None:
+                 continuous_usage: bool = False, tools: ToolCallPlan = NO_TOOLS) -> None:
         self.serving = serving
         self.kind = kind
         self.id = request_id
@@ -406,6 +463,7 @@ class OpenAIResult:
         self._cached = [0] * len(prepared)
         self._completion_tokens: dict[int, int] = {}  # choice index -> tokens sent so far
         self.continuous_usage = continuous_usage
+        self.tools = tools
 
     def close(self) -> None:
         """Aborts every request that has not finished (idempotent)."""
@@ -493,9 +551,15 @@ class OpenAIResult:
                 if self.want_prompt_logprobs:
                     choice["prompt_logprobs"] = self.serving.prompt_logprobs(prompt_ids, response)
             else:
-                choice = {"index": index, "message": {"role": "assistant", "content": text},
-                          "logprobs": None, "finish_reason": reason,
-                          "stop_reason": stop_reason}
+                message: dict[str, Any] = {"role": "assistant", "content": text}
+                if self.tools.parses:
+                    content, calls = self.tools.extract(text)
+                    if calls:
+                        message = {"role": "assistant", "content": content, "tool_calls": [
+                            call.to_openai(new_tool_call_id()) for call in calls]}
+                        reason = "tool_calls" if reason == "stop" else reason
+                choice = {"index": index, "message": message, "logprobs": None,
+                          "finish_reason": reason, "stop_reason": stop_reason}
                 if self.want_logprobs:
                     choice["logprobs"] = self.serving.chat_logprobs(response, self.as_ids)
                 if self.want_prompt_logprobs and index == 0:
@@ -525,6 +589,7 @@ class OpenAIResult:
         """
         chunk_kind = self.kind + ".chunk" if self.kind == "chat.completion" else self.kind
         offsets: dict[int, int] = {}
+        tool_streams: dict[int, Any] = {}  # chat: choice index -> its ToolCallStream or None
         try:
             async for index, response in self._responses():
                 self._account(index, response)
@@ -551,17 +616,29 @@ class OpenAIResult:
                     offsets[index] += len(text)
                 else:
                     if first:
+                        tool_streams[index] = self.tools.stream()
                         yield self._chunk(chunk_kind, [{
                             "index": index, "delta": {"role": "assistant", "content": ""},
                             "logprobs": None, "finish_reason": None}])
-                    if not text and reason is None and not (self.want_logprobs
-                                                            and response.token_ids):
+                    stream = tool_streams[index]
+                    if stream is None:
+                        deltas = [{"content": text}] if text else []
+                    else:
+                        deltas = stream.push(text, final=reason is not None)
+                        reason = "tool_calls" if reason == "stop" and stream.called else reason
+                    if not deltas and reason is None and not (self.want_logprobs
+                                                              and response.token_ids):
                         continue
-                    choice = {"index": index, "delta": {"content": text} if text else {},
-                              "logprobs": None, "finish_reason": reason,
-                              "stop_reason": stop_reason}
+                    choices = [{"index": index, "delta": delta, "logprobs": None,
+                                "finish_reason": None, "stop_reason": None}
+                               for delta in deltas or [{}]]
+                    choices[-1].update(finish_reason=reason, stop_reason=stop_reason)
                     if self.want_logprobs:
-                        choice["logprobs"] = self.serving.chat_logprobs(response, self.as_ids)
+                        choices[0]["logprobs"] = self.serving.chat_logprobs(response,
+                                                                            self.as_ids)
+                    for choice in choices[:-1]:
+                        yield self._chunk(chunk_kind, [choice])
+                    choice = choices[-1]
                 yield self._chunk(chunk_kind, [choice])
             if self.include_usage:
                 yield self._chunk(chunk_kind, [], usage=self.usage())
