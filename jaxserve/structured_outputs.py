@@ -84,6 +84,9 @@ class StructuredOutputsParams:
             if not isinstance(parsed, (dict, bool)):
                 raise ValueError(f"structured_outputs.json must be a JSON schema object, "
                                  f"got {parsed!r:.80}")
+            if parsed is False:  # JSON Schema's "false" schema: no output could ever end
+                raise ValueError("structured_outputs.json is the schema false, which no "
+                                 "value matches")
         elif kind == "json_object":
             if value is not True:
                 raise ValueError(f"structured_outputs.json_object must be true, got {value!r}")

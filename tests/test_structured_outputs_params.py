@@ -37,6 +37,7 @@ def test_dict_schema_and_its_text_share_a_cache_key_when_keys_sorted():
     ({"json": "{not json"}, "structured_outputs.json"),
     ({"json": "[1, 2]"}, "structured_outputs.json"),
     ({"json": 3}, "structured_outputs.json"),
+    ({"json": "false"}, "structured_outputs.json is the schema false, which no value matches"),
     ({"choice": []}, "structured_outputs.choice"),
     ({"choice": "yes"}, "structured_outputs.choice"),
     ({"choice": ["a", ""]}, "structured_outputs.choice"),

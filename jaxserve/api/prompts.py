@@ -12,6 +12,10 @@ model's defaults (``jaxserve.generation_config``), validated — and
 the engine's limits (``jaxserve.validation.RequestLimits``, the same code
 the engine runs), ``max_tokens`` resolved.
 
+A chat's ``tool_choice`` becomes a ``ToolCallPlan`` (``chat_tool_plan``,
+``jaxserve.api.tool_calling``): its schema constrains the output and
+``PreparedRequest.tools`` reads calls out of the replies.
+
 Prompts are tokenized exactly as ``jaxserve.LLM`` does: text with
 ``tokenizer.encode(text)`` (the tokenizer's own special-token rule), a chat
 rendered by the tokenizer's chat template and encoded without adding special
@@ -26,6 +30,9 @@ import types
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from jaxserve.api.tool_calling import (NO_TOOLS, ToolCallPlan, ToolChoiceError, check_tools,
+                                       plan_tool_calls)
+from jaxserve.api.tool_parsers import ToolParser
 from jaxserve.api.validation import validate_chat, validate_text
 from jaxserve.proto import generate_pb2 as pb
 from jaxserve.proto.convert import sampling_params_kwargs_from_proto
@@ -44,11 +51,13 @@ class PreparedRequest:
       prompt_field: the request field the prompt came from (gRPC: "text",
         "token_ids", "chat.messages"; HTTP: "prompt", "messages").
       params: validated ``SamplingParams`` with ``max_tokens`` resolved.
+      tools: how replies are read for tool calls (a chat's ``tool_choice``).
     """
 
     prompt_token_ids: list[int]
     prompt_field: str
     params: SamplingParams
+    tools: ToolCallPlan = NO_TOOLS
 
 
 def _json_object(text: str, field: str) -> dict[str, Any]:
@@ -129,6 +138,36 @@ def template_tools(tools: Sequence[pb.Tool], *, field: str = "chat.tools") -> li
             function["parameters"] = _json_object(tool.parameters, f"{field}[{i}].parameters")
         out.append({"type": "function", "function": function})
     return out
+
+
+def chat_tool_plan(chat: pb.Chat, auto_parser: ToolParser | None) -> ToolCallPlan:
+    """The ``ToolCallPlan`` of a gRPC chat's ``tools``, ``tool_choice_mode`` /
+    ``tool_choice_function`` and ``parallel_tool_calls`` (``plan_tool_calls``).
+
+    Args:
+      auto_parser: the server's ``--tool-call-parser`` when
+        ``--enable-auto-tool-choice`` is on, else None.
+
+    Raises:
+      InvalidArgument: ``chat.tools`` (two with one name, parameters that are not
+        a JSON object) or ``chat.tool_choice_mode`` / ``chat.tool_choice_function``
+        (``check_tool_choice``; ``auto`` without ``auto_parser``).
+    """
+    functions = {t["function"]["name"]: t["function"].get("parameters")
+                 for t in template_tools(chat.tools)}
+    try:
+        check_tools([t.name for t in chat.tools])
+    except ValueError as err:
+        raise InvalidArgument("chat.tools", str(err)) from None
+    kind = chat.WhichOneof("tool_choice")
+    choice = (None if kind is None else chat.tool_choice_mode if kind == "tool_choice_mode"
+              else {"name": chat.tool_choice_function})
+    try:
+        return plan_tool_calls(functions, choice, auto_parser=auto_parser,
+                               parallel=not chat.HasField("parallel_tool_calls")
+                               or chat.parallel_tool_calls)
+    except ToolChoiceError as err:
+        raise InvalidArgument(f"chat.{kind or 'tool_choice_mode'}", str(err)) from None
 
 
 class RequestPreparer:
@@ -253,13 +292,30 @@ class RequestPreparer:
         return self.limits.validate(prompt_token_ids, params, prompt_field=prompt_field,
                                     default_max_tokens=self.default_max_tokens)
 
-    def prepare(self, request: pb.GenerateRequest) -> PreparedRequest:
-        """Tokenizes and validates ``request`` (``sampling_params``, then ``validate``).
+    def prepare(self, request: pb.GenerateRequest, *,
+                tool_parser: ToolParser | None = None) -> PreparedRequest:
+        """Tokenizes and validates ``request`` (``sampling_params``, then ``validate``);
+        a chat's tool plan (``chat_tool_plan``) constrains its sampling parameters.
+
+        Args:
+          tool_parser: reads ``tool_choice`` ``auto`` replies (the server's
+            ``--tool-call-parser``), or None: ``auto`` is refused.
 
         Raises:
-          InvalidArgument: a bad prompt or sampling parameter (the field is named).
+          InvalidArgument: a bad prompt, sampling parameter or tool choice (the field is named).
         """
-        params = self.sampling_params(sampling_params_kwargs_from_proto(request.sampling_params))
+        kwargs = sampling_params_kwargs_from_proto(request.sampling_params)
+        tools = NO_TOOLS
+        if request.WhichOneof("prompt") == "chat":
+            tools = chat_tool_plan(request.chat, tool_parser)
+            try:
+                tools.constrain(kwargs, other_constraint=(
+                    "sampling_params.structured_outputs"
+                    if request.sampling_params.HasField("structured_outputs") else None))
+            except ToolChoiceError as err:
+                raise InvalidArgument(f"chat.{request.chat.WhichOneof('tool_choice')}",
+                                      str(err)) from None
+        params = self.sampling_params(kwargs)
         kind = request.WhichOneof("prompt")
         if kind == "text":
             validate_text(request.text)
@@ -271,7 +327,8 @@ class RequestPreparer:
             field = "chat.messages"
         else:
             raise InvalidArgument("prompt", "set one of text, token_ids or chat")
-        return self.prepare_tokens(ids, params, prompt_field=field)
+        return dataclasses.replace(self.prepare_tokens(ids, params, prompt_field=field),
+                                   tools=tools)
 
     def prepare_tokens(self, prompt_token_ids: Sequence[int], params: SamplingParams, *,
                        prompt_field: str) -> PreparedRequest:

@@ -51,6 +51,7 @@ from jaxserve.api.completions import RequestTracker
 from jaxserve.api.engine_client import EngineError, EngineFailure
 from jaxserve.api.engine_group import EngineGroup
 from jaxserve.api.prompts import PreparedRequest, RequestPreparer
+from jaxserve.api.tool_parsers import ToolParser
 from jaxserve.engine.messages import EngineCoreRequest
 from jaxserve.metrics import ServerMetrics
 from jaxserve.proto import generate_pb2 as pb
@@ -138,10 +139,11 @@ class RequestRunner:
             raise self.reject(grpc.StatusCode.UNAVAILABLE,
                               self.engine.error or "the server is shutting down")
 
-    def prepare(self, request: pb.GenerateRequest) -> PreparedRequest:
+    def prepare(self, request: pb.GenerateRequest, *,
+                tool_parser: ToolParser | None = None) -> PreparedRequest:
         """``RequestPreparer.prepare`` with its errors as ``ApiError``."""
         with self.preparer_errors():
-            return self.preparer.prepare(request)
+            return self.preparer.prepare(request, tool_parser=tool_parser)
 
     @contextlib.contextmanager
     def preparer_errors(self) -> Iterator[None]:

@@ -219,7 +219,7 @@ class ApiServer:
             metrics=self.metrics,
             max_pending_seqs=self.engine.num_replicas * info.max_num_seqs
             + args.max_waiting_requests)
-        servicer.set_result(GenerateServicer(self.runner))
+        servicer.set_result(GenerateServicer(self.runner, tool_parser=self.http.tool_parser))
         self.http.attach(self.runner)
         loop = asyncio.get_running_loop()
         self.engine.on_failure(

@@ -12,12 +12,17 @@ decides, for each ``tool_choice`` (vLLM's rules):
 
 The constraints are JSON schemas for the structured-outputs path
 (``StructuredOutputsParams(json=...)``, llguidance), nothing else.
+
+Both APIs take the same choices and get the same checks (``check_tools``,
+``check_tool_choice``) and plans: the HTTP API from the request body, the gRPC
+API from ``Chat.tool_choice_mode`` / ``Chat.tool_choice_function``
+(``jaxserve.api.generate_service``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from jaxserve.api.tool_parsers import (JsonArrayToolParser, NamedToolCallStream, ToolCall,
@@ -31,8 +36,47 @@ AUTO_NEEDS_FLAGS = ('"auto" tool choice (the default when tools are given) requi
                     'tool_choice "none", "required" or a named function instead')
 
 
+TOOL_CHOICE_MODES = ("none", "auto", "required")
+"""``tool_choice`` as a string; a function is named as ``{"name": ...}``."""
+
+
 class ToolChoiceError(ValueError):
     """A ``tool_choice`` this server cannot serve (the message explains; param ``tool_choice``)."""
+
+
+def check_tools(names: Sequence[str]) -> None:
+    """Raises ValueError when two tools share a name (a call could not be told apart)."""
+    for name in names:
+        if names.count(name) > 1:
+            raise ValueError(f"two tools are named {name!r}; names must be distinct")
+
+
+def _choice_text(choice: str | Mapping[str, str]) -> str:
+    return (f"tool_choice {choice!r}" if isinstance(choice, str)
+            else f"a named tool_choice ({choice['name']!r})")
+
+
+def check_tool_choice(names: Sequence[str], choice: str | Mapping[str, str] | None) -> None:
+    """Checks a ``tool_choice`` against the request's tools.
+
+    Args:
+      names: the tools' function names.
+      choice: one of ``TOOL_CHOICE_MODES``, ``{"name": <function>}``, or None (left out).
+
+    Raises:
+      ToolChoiceError: an unknown mode; a choice other than ``"none"`` without
+        tools; a named function that is not one of them.
+    """
+    if choice is None or choice == "none":
+        return
+    if isinstance(choice, str) and choice not in TOOL_CHOICE_MODES:
+        raise ToolChoiceError(f"must be one of {', '.join(TOOL_CHOICE_MODES)} or a function's "
+                              f"name, got {choice!r}")
+    if not names:
+        raise ToolChoiceError(f"{_choice_text(choice)} needs tools (set tools)")
+    if not isinstance(choice, str) and choice["name"] not in names:
+        raise ToolChoiceError(f"names the function {choice['name']!r}, which is not one "
+                              f"of tools: {', '.join(names)}")
 
 
 def required_schema(functions: Mapping[str, Mapping[str, Any] | None], *,
@@ -92,6 +136,29 @@ class ToolCallPlan:
         content, calls = self.parser.extract(text)
         return content, calls[:self.max_calls]
 
+    def constrain(self, kwargs: dict[str, Any], *, other_constraint: str | None = None) -> None:
+        """Adds the plan's rules to a request's ``SamplingParams`` keyword arguments, in
+        place: ``skip_special_tokens`` false unless set, when the parser reads special
+        tokens; the plan's schema as ``structured_outputs``.
+
+        Args:
+          kwargs: the request's keyword arguments (a None value counts as not set).
+          other_constraint: the request field that constrains the output already
+            (``response_format``, ``structured_outputs``), or None.
+
+        Raises:
+          ToolChoiceError: the plan constrains the output and ``other_constraint`` is set.
+        """
+        if (self.parser is not None and self.parser.needs_special_tokens
+                and kwargs.get("skip_special_tokens") is None):
+            kwargs["skip_special_tokens"] = False  # its markers are special tokens
+        if self.schema is None:
+            return
+        if other_constraint is not None:
+            raise ToolChoiceError(f"tool_choice {self.mode!r} constrains the output, so it "
+                                  f"cannot go with {other_constraint}; set one of them")
+        kwargs["structured_outputs"] = {"json": self.schema}
+
     def stream(self) -> ToolCallStream | NamedToolCallStream | None:
         """A fresh delta builder for one streamed choice, or None (mode ``none``)."""
         if self.mode == "named":
@@ -105,7 +172,7 @@ NO_TOOLS = ToolCallPlan("none")
 
 def plan_tool_calls(functions: Mapping[str, Mapping[str, Any] | None], tool_choice: Any, *,
                     auto_parser: ToolParser | None, parallel: bool = True) -> ToolCallPlan:
-    """The plan of a request's tools and ``tool_choice`` (validated already by the protocol).
+    """The plan of a request's tools and ``tool_choice``.
 
     Args:
       functions: the request's tools, name -> parameters schema (None when left out).
@@ -117,8 +184,10 @@ def plan_tool_calls(functions: Mapping[str, Mapping[str, Any] | None], tool_choi
         call; ``auto`` returns the first call only).
 
     Raises:
-      ToolChoiceError: ``auto`` (asked or by default) without ``auto_parser``.
+      ToolChoiceError: as ``check_tool_choice``; ``auto`` (asked or by default)
+        without ``auto_parser``.
     """
+    check_tool_choice(list(functions), tool_choice)
     if tool_choice is None:
         tool_choice = "auto" if functions else "none"
     if tool_choice == "none":

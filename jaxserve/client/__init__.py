@@ -19,7 +19,8 @@ iterator). Failures raise ``JaxServeError`` with ``.code`` (a
 from jaxserve.client.aio import AsyncClient
 from jaxserve.client.sync import DEFAULT_TARGET, Client
 from jaxserve.client.types import (Completion, GenerateResult, JaxServeError, ModelInfo,
-                                   StreamDelta, TokenizeResult, TokenLogprobs, Usage)
+                                   StreamDelta, TokenizeResult, TokenLogprobs, ToolCall, Usage)
 
 __all__ = ["AsyncClient", "Client", "Completion", "DEFAULT_TARGET", "GenerateResult",
-           "JaxServeError", "ModelInfo", "StreamDelta", "TokenizeResult", "TokenLogprobs", "Usage"]
+           "JaxServeError", "ModelInfo", "StreamDelta", "TokenizeResult", "TokenLogprobs",
+           "ToolCall", "Usage"]

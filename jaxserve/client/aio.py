@@ -20,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from jaxserve.client.sync import DEFAULT_TARGET
 from jaxserve.client.types import (GenerateResult, JaxServeError, Message, ModelInfo,
                                    ReadyWait, ResultBuilder, StreamDelta, TokenizeResult,
+                                   ToolChoice,
                                    build_generate_request, build_tokenize_request,
                                    call_metadata, channel_credentials, delta_from_proto,
                                    model_info_from_proto, num_completions, with_default_port)
@@ -87,12 +88,15 @@ class AsyncClient:
                        request_id: str = "", cache_salt: str = "",
                        add_generation_prompt: bool | None = None,
                        tools: Iterable[Mapping[str, Any]] | None = None,
+                       tool_choice: ToolChoice | None = None,
+                       parallel_tool_calls: bool | None = None,
                        timeout: float | None = None, **params: Any) -> GenerateResult:
         """Generates and returns the finished completion(s); see ``Client.generate``."""
         request = build_generate_request(
             prompt, messages=messages, sampling_params=sampling_params, params=params,
             stream=False, request_id=request_id, cache_salt=cache_salt,
-            add_generation_prompt=add_generation_prompt, tools=tools)
+            add_generation_prompt=add_generation_prompt, tools=tools,
+            tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls)
         builder = ResultBuilder(num_completions(request))
         async for delta in self._call_stream(request, timeout):
             builder.add(delta)
@@ -108,6 +112,8 @@ class AsyncClient:
                request_id: str = "", cache_salt: str = "",
                add_generation_prompt: bool | None = None,
                tools: Iterable[Mapping[str, Any]] | None = None,
+               tool_choice: ToolChoice | None = None,
+               parallel_tool_calls: bool | None = None,
                timeout: float | None = None, **params: Any) -> AsyncIterator[StreamDelta]:
         """An async iterator of ``StreamDelta``s; see ``Client.stream``.
 
@@ -116,7 +122,8 @@ class AsyncClient:
         request = build_generate_request(
             prompt, messages=messages, sampling_params=sampling_params, params=params,
             stream=True, request_id=request_id, cache_salt=cache_salt,
-            add_generation_prompt=add_generation_prompt, tools=tools)
+            add_generation_prompt=add_generation_prompt, tools=tools,
+            tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls)
         return self._call_stream(request, timeout)
 
     async def _call_stream(self, request: pb.GenerateRequest,

@@ -18,6 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from jaxserve.client.types import (DEFAULT_PORT, GenerateResult, JaxServeError, Message,
                                    ModelInfo, ResultBuilder, StreamDelta, TokenizeResult,
+                                   ToolChoice,
                                    build_generate_request, build_tokenize_request,
                                    call_metadata, channel_credentials, delta_from_proto,
                                    model_info_from_proto, num_completions, ReadyWait,
@@ -52,6 +53,15 @@ class Client:
     dict; keywords win. They are validated by the server (``INVALID_ARGUMENT``);
     unset ones take the server's defaults (``SamplingParams``' defaults, except
     ``max_tokens``: up to the context length).
+
+    Chats may pass ``tools`` (OpenAI's ``{"type": "function", "function":
+    {"name", "description", "parameters"}}``), ``tool_choice`` (``"none"``,
+    ``"auto"``, ``"required"``, or a function as ``{"type": "function",
+    "function": {"name": ...}}`` or its bare name) and ``parallel_tool_calls``;
+    the calls come back in ``Completion.tool_calls`` / the last
+    ``StreamDelta.tool_calls`` with finish reason ``"tool_calls"``
+    (left out: ``"auto"`` with tools, which needs a server started with
+    ``--enable-auto-tool-choice``).
     """
 
     def __init__(self, target: str = DEFAULT_TARGET, *, timeout: float | None = None,
@@ -118,6 +128,8 @@ class Client:
                  request_id: str = "", cache_salt: str = "",
                  add_generation_prompt: bool | None = None,
                  tools: Iterable[Mapping[str, Any]] | None = None,
+                 tool_choice: ToolChoice | None = None,
+                 parallel_tool_calls: bool | None = None,
                  timeout: float | None = None, **params: Any) -> GenerateResult:
         """Generates and returns the finished completion(s).
 
@@ -138,7 +150,8 @@ class Client:
         request = build_generate_request(
             prompt, messages=messages, sampling_params=sampling_params, params=params,
             stream=False, request_id=request_id, cache_salt=cache_salt,
-            add_generation_prompt=add_generation_prompt, tools=tools)
+            add_generation_prompt=add_generation_prompt, tools=tools,
+            tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls)
         builder = ResultBuilder(num_completions(request))
         for delta in self._call_stream(request, timeout):
             builder.add(delta)
@@ -154,6 +167,8 @@ class Client:
                request_id: str = "", cache_salt: str = "",
                add_generation_prompt: bool | None = None,
                tools: Iterable[Mapping[str, Any]] | None = None,
+               tool_choice: ToolChoice | None = None,
+               parallel_tool_calls: bool | None = None,
                timeout: float | None = None, **params: Any) -> Iterator[StreamDelta]:
         """Generates, yielding ``StreamDelta``s as the server produces them.
 
@@ -167,7 +182,8 @@ class Client:
         request = build_generate_request(
             prompt, messages=messages, sampling_params=sampling_params, params=params,
             stream=True, request_id=request_id, cache_salt=cache_salt,
-            add_generation_prompt=add_generation_prompt, tools=tools)
+            add_generation_prompt=add_generation_prompt, tools=tools,
+            tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls)
         return self._call_stream(request, timeout)
 
     def _call_stream(self, request: pb.GenerateRequest,

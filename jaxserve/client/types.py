@@ -23,6 +23,10 @@ from jaxserve.sampling_params import SamplingParams
 # included), a (role, content) pair, or the proto message.
 Message = Mapping[str, Any] | tuple[str, str] | pb.ChatMessage
 
+# tool_choice: "none" / "auto" / "required", a function's name, or OpenAI's
+# {"type": "function", "function": {"name": ...}}.
+ToolChoice = str | Mapping[str, Any]
+
 DEFAULT_PORT = 50051  # where ``jaxserve serve`` listens unless told otherwise
 
 # The health-service name whose SERVING means "Generate answers": jaxserve.GenerateService.
@@ -143,6 +147,16 @@ class TokenLogprobs:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class ToolCall:
+    """A function call the model made (OpenAI's ``message.tool_calls`` entry):
+    ``arguments`` is JSON text of an object; ``id`` is fresh per call."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class Usage:
     """Token counts of one completion (prompt counts are the request's)."""
 
@@ -160,6 +174,9 @@ class StreamDelta:
     completion's last delta only. ``prompt_logprobs`` (with the
     ``prompt_logprobs`` parameter, in a completion's first delta): one per
     prompt token from the second, its logprob given the tokens before it.
+    ``tool_calls`` (a chat with tools and a ``tool_choice`` other than
+    ``"none"``, on the last delta): the calls read out of the completion's
+    whole text; ``finish_reason`` is then ``"tool_calls"`` if it stopped.
     """
 
     request_id: str
@@ -171,6 +188,7 @@ class StreamDelta:
     stop_reason: str | int | None = None
     usage: Usage | None = None
     prompt_logprobs: tuple[TokenLogprobs, ...] = ()
+    tool_calls: tuple[ToolCall, ...] = ()
 
     @property
     def finished(self) -> bool:
@@ -180,7 +198,8 @@ class StreamDelta:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Completion:
-    """One finished completion (of ``n``); ``prompt_logprobs`` as ``StreamDelta``'s."""
+    """One finished completion (of ``n``); ``prompt_logprobs`` and ``tool_calls`` as
+    ``StreamDelta``'s."""
 
     index: int
     text: str
@@ -190,14 +209,15 @@ class Completion:
     stop_reason: str | int | None
     usage: Usage
     prompt_logprobs: tuple[TokenLogprobs, ...] = ()
+    tool_calls: tuple[ToolCall, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class GenerateResult:
     """A finished request: its completions ordered by index.
 
-    ``text``, ``token_ids``, ``finish_reason``, ``stop_reason`` and ``usage``
-    are those of completion 0 (the only one when n == 1).
+    ``text``, ``token_ids``, ``finish_reason``, ``stop_reason``, ``usage`` and
+    ``tool_calls`` are those of completion 0 (the only one when n == 1).
     """
 
     request_id: str
@@ -222,6 +242,10 @@ class GenerateResult:
     @property
     def usage(self) -> Usage:
         return self.completions[0].usage
+
+    @property
+    def tool_calls(self) -> tuple[ToolCall, ...]:
+        return self.completions[0].tool_calls
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -248,10 +272,13 @@ class TokenizeResult:
 
 
 def _chat(messages: Iterable[Message], add_generation_prompt: bool | None,
-          tools: Iterable[Mapping[str, Any]] | None = None) -> pb.Chat:
+          tools: Iterable[Mapping[str, Any]] | None = None,
+          tool_choice: ToolChoice | None = None,
+          parallel_tool_calls: bool | None = None) -> pb.Chat:
     """A ``pb.Chat``: messages in OpenAI's shape (an assistant's ``tool_calls`` with
-    ``arguments`` as JSON text or an object, a tool's ``tool_call_id``), and ``tools``
-    as ``{"type": "function", "function": {"name", "description", "parameters"}}``."""
+    ``arguments`` as JSON text or an object, a tool's ``tool_call_id``), ``tools``
+    as ``{"type": "function", "function": {"name", "description", "parameters"}}``,
+    ``tool_choice`` (``ToolChoice``) and ``parallel_tool_calls``."""
     chat = pb.Chat()
     for message in messages:
         if isinstance(message, pb.ChatMessage):
@@ -270,6 +297,14 @@ def _chat(messages: Iterable[Message], add_generation_prompt: bool | None,
         parameters = function.get("parameters")
         chat.tools.add(name=function["name"], description=function.get("description") or "",
                        parameters="" if parameters is None else _json_text(parameters))
+    if isinstance(tool_choice, Mapping):
+        chat.tool_choice_function = tool_choice["function"]["name"]
+    elif tool_choice in ("none", "auto", "required"):
+        chat.tool_choice_mode = tool_choice
+    elif tool_choice is not None:
+        chat.tool_choice_function = tool_choice
+    if parallel_tool_calls is not None:
+        chat.parallel_tool_calls = parallel_tool_calls
     if add_generation_prompt is not None:
         chat.add_generation_prompt = add_generation_prompt
     return chat
@@ -285,17 +320,23 @@ def build_generate_request(prompt: str | Sequence[int] | None, *,
                            params: Mapping[str, Any], stream: bool, request_id: str = "",
                            cache_salt: str = "",
                            add_generation_prompt: bool | None = None,
-                           tools: Iterable[Mapping[str, Any]] | None = None) -> pb.GenerateRequest:
+                           tools: Iterable[Mapping[str, Any]] | None = None,
+                           tool_choice: ToolChoice | None = None,
+                           parallel_tool_calls: bool | None = None) -> pb.GenerateRequest:
     """The ``GenerateRequest`` for one call; values are checked by the server, not here.
 
     ``params`` (keyword sampling parameters) override ``sampling_params``.
 
     Raises:
-      ValueError: both or neither of ``prompt`` / ``messages``; an unknown
-        sampling parameter or one the wire type cannot hold.
+      ValueError: both or neither of ``prompt`` / ``messages``; tools or a tool
+        choice without ``messages``; an unknown sampling parameter or one the
+        wire type cannot hold.
     """
     if (prompt is None) == (messages is None):
         raise ValueError("pass exactly one of prompt (text or token ids) and messages")
+    if messages is None and (tools or tool_choice is not None
+                             or parallel_tool_calls is not None):
+        raise ValueError("tools, tool_choice and parallel_tool_calls need messages (a chat)")
     if isinstance(sampling_params, SamplingParams):
         values = sampling_params.to_dict()
     else:
@@ -304,7 +345,8 @@ def build_generate_request(prompt: str | Sequence[int] | None, *,
     request = pb.GenerateRequest(request_id=request_id, stream=stream, cache_salt=cache_salt,
                                  sampling_params=sampling_params_to_proto(values))
     if messages is not None:
-        request.chat.CopyFrom(_chat(messages, add_generation_prompt, tools))
+        request.chat.CopyFrom(_chat(messages, add_generation_prompt, tools, tool_choice,
+                                    parallel_tool_calls))
     elif isinstance(prompt, str):
         request.text = prompt
     else:
@@ -332,7 +374,9 @@ def delta_from_proto(response: pb.GenerateResponse) -> StreamDelta:
 
     delta = StreamDelta(response.request_id, response.index, tuple(response.token_ids),
                         response.text, convert(response.logprobs),
-                        prompt_logprobs=convert(response.prompt_logprobs))
+                        prompt_logprobs=convert(response.prompt_logprobs),
+                        tool_calls=tuple(ToolCall(c.id, c.name, c.arguments)
+                                         for c in response.tool_calls))
     if not response.HasField("finished"):
         return delta
     fin = response.finished
@@ -385,7 +429,8 @@ class ResultBuilder:
                 token_ids=tuple(t for p in parts for t in p.token_ids),
                 logprobs=tuple(lp for p in parts for lp in p.logprobs),
                 finish_reason=last.finish_reason, stop_reason=last.stop_reason, usage=last.usage,
-                prompt_logprobs=tuple(lp for p in parts for lp in p.prompt_logprobs)))
+                prompt_logprobs=tuple(lp for p in parts for lp in p.prompt_logprobs),
+                tool_calls=last.tool_calls))
         return GenerateResult(self._request_id, tuple(completions))
 
 

@@ -31,6 +31,7 @@ FINISH_REASONS: dict[str, int] = {
     "stop": pb.FINISH_REASON_STOP,
     "length": pb.FINISH_REASON_LENGTH,
     "abort": pb.FINISH_REASON_ABORT,
+    "tool_calls": pb.FINISH_REASON_TOOL_CALLS,  # set by the api process, never by the engine
 }
 _FINISH_REASON_NAMES = {value: name for name, value in FINISH_REASONS.items()}
 

@@ -17,8 +17,8 @@ import grpc
 import pytest
 
 from jaxserve.api.prompts import RequestPreparer
-from jaxserve.client import Client, GenerateResult, JaxServeError, StreamDelta, Usage
-from jaxserve.client.types import build_tokenize_request
+from jaxserve.client import Client, GenerateResult, JaxServeError, StreamDelta, ToolCall, Usage
+from jaxserve.client.types import ResultBuilder, build_tokenize_request, delta_from_proto
 from jaxserve.proto import generate_pb2 as pb
 from jaxserve.proto.convert import sampling_params_kwargs_from_proto
 from jaxserve.sampling_params import SamplingParams
@@ -151,6 +151,41 @@ def test_a_chat_with_tools_and_tool_calls_arrives_whole(client, server):
     assert chat.messages[1].content == "" and chat.messages[2].tool_call_id == "c1"
     assert client.tokenize(messages=messages, tools=tools).text.startswith("user: Weather?")
     assert build_tokenize_request(None, messages, None, tools).chat == chat
+    assert chat.WhichOneof("tool_choice") is None and not chat.HasField("parallel_tool_calls")
+
+
+@pytest.mark.parametrize("tool_choice, field, value", [
+    ("required", "tool_choice_mode", "required"),
+    ("none", "tool_choice_mode", "none"),
+    ({"type": "function", "function": {"name": "get_time"}}, "tool_choice_function", "get_time"),
+    ("get_time", "tool_choice_function", "get_time"),
+])
+def test_tool_choice_and_parallel_tool_calls_travel_in_the_chat(client, server, tool_choice,
+                                                                  field, value):
+    tools = [{"type": "function", "function": {"name": "get_time"}}]
+    client.chat([("user", "Time?")], tools=tools, tool_choice=tool_choice,
+                parallel_tool_calls=False)
+    chat = last_request(server).chat
+    assert chat.WhichOneof("tool_choice") == field and getattr(chat, field) == value
+    assert chat.HasField("parallel_tool_calls") and not chat.parallel_tool_calls
+    with pytest.raises(ValueError, match="need messages"):
+        client.generate("x", tool_choice="required")
+
+
+def test_tool_calls_in_the_last_response_reach_the_result():
+    """The last response's tool_calls become ``Completion.tool_calls`` (and the result's),
+    finish reason TOOL_CALLS "tool_calls"; earlier deltas carry none."""
+    first = pb.GenerateResponse(request_id="r", index=0, text='[{"name"')
+    last = pb.GenerateResponse(request_id="r", index=0, text=': "f"}]', finished=pb.Finished(
+        reason=pb.FINISH_REASON_TOOL_CALLS, prompt_tokens=3, completion_tokens=2))
+    last.tool_calls.add(id="chatcmpl-tool-1", name="f", arguments="{}")
+    builder = ResultBuilder(1)
+    for response in (first, last):
+        builder.add(delta_from_proto(response))
+    result = builder.result()
+    assert result.tool_calls == (ToolCall("chatcmpl-tool-1", "f", "{}"),)
+    assert result.finish_reason == "tool_calls" and result.text == '[{"name": "f"}]'
+    assert delta_from_proto(first).tool_calls == ()
 
 
 @pytest.mark.parametrize("code", ["INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "UNAVAILABLE",

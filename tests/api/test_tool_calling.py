@@ -4,6 +4,10 @@
   refused without a server parser, ``required``'s array schema (checked with
   ``jsonschema`` on arrays it must accept and refuse), a named choice's
   schema (the function's parameters);
+- gRPC (``RequestPreparer.prepare`` of a ``Chat`` with ``tool_choice_mode`` /
+  ``tool_choice_function``): the same plans and checks as the HTTP API, the
+  plan's schema as the request's structured outputs, each refusal naming
+  its ``chat.*`` field;
 - ``RequestPreparer.render_chat``: a template that prints tools, an
   assistant's calls (arguments as objects) and tool answers gets them from a
   ``pb.Chat``; bad JSON text in a call or a tool's parameters is refused
@@ -20,7 +24,7 @@ from transformers import PreTrainedTokenizerFast
 
 from jaxserve.api.prompts import RequestPreparer
 from jaxserve.api.tool_calling import (AUTO_NEEDS_FLAGS, NO_PARAMETERS, ToolChoiceError,
-                                       plan_tool_calls, required_schema)
+                                       check_tool_choice, plan_tool_calls, required_schema)
 from jaxserve.api.tool_parsers import (HermesToolParser, JsonArrayToolParser,
                                        NamedToolCallStream, ToolCall, ToolCallStream)
 from jaxserve.proto import generate_pb2 as pb
@@ -140,3 +144,67 @@ def test_bad_json_in_a_chat_names_the_field(preparer, chat, field):
     with pytest.raises(InvalidArgument) as err:
         preparer.render_chat(chat)
     assert err.value.field == field
+
+
+def _tool_request(*, mode: str | None = None, function: str | None = None,
+                  parallel: bool | None = None, tools: tuple[str, ...] = ("get_weather",),
+                  **sampling) -> pb.GenerateRequest:
+    chat = pb.Chat(messages=[pb.ChatMessage(role="user", content="Weather in Oslo?")],
+                   tools=[pb.Tool(name=name, parameters=json.dumps(WEATHER)) for name in tools])
+    if mode is not None:
+        chat.tool_choice_mode = mode
+    if function is not None:
+        chat.tool_choice_function = function
+    if parallel is not None:
+        chat.parallel_tool_calls = parallel
+    return pb.GenerateRequest(chat=chat, sampling_params=pb.SamplingParams(**sampling))
+
+
+def test_grpc_tool_choice_constrains_the_request(preparer):
+    """required / named over gRPC: the plan's schema is the request's structured outputs
+    (as over HTTP); parallel_tool_calls false allows one call; none leaves it free."""
+    required = preparer.prepare(_tool_request(mode="required", parallel=False))
+    assert required.tools.mode == "required" and required.tools.max_calls == 1
+    assert required.params.structured_outputs.json == required_schema(
+        {"get_weather": WEATHER}, parallel=False)
+    named = preparer.prepare(_tool_request(function="get_weather"))
+    assert named.tools.mode == "named" and named.params.structured_outputs.json == WEATHER
+    free = preparer.prepare(_tool_request(mode="none"))
+    assert not free.tools.parses and free.params.structured_outputs is None
+
+
+def test_grpc_auto_reads_special_tokens_unless_told_otherwise(preparer):
+    parser = HermesToolParser()
+    assert parser.needs_special_tokens
+    auto = preparer.prepare(_tool_request(), tool_parser=parser)  # left out: auto
+    assert auto.tools.mode == "auto" and auto.tools.parser is parser
+    assert auto.params.skip_special_tokens is False
+    told = preparer.prepare(_tool_request(mode="auto", skip_special_tokens=True),
+                            tool_parser=parser)
+    assert told.params.skip_special_tokens is True
+
+
+@pytest.mark.parametrize("request_, field, words", [
+    (_tool_request(), "chat.tool_choice_mode", AUTO_NEEDS_FLAGS),
+    (_tool_request(mode="sometimes"), "chat.tool_choice_mode", "must be one of none, auto"),
+    (_tool_request(mode="required", tools=()), "chat.tool_choice_mode",
+     "tool_choice 'required' needs tools"),
+    (_tool_request(function="get_time"), "chat.tool_choice_function",
+     "names the function 'get_time', which is not one of tools: get_weather"),
+    (_tool_request(mode="none", tools=("f", "f")), "chat.tools", "two tools are named 'f'"),
+    (_tool_request(mode="required", structured_outputs=pb.StructuredOutputs(regex="a+")),
+     "chat.tool_choice_mode", "cannot go with sampling_params.structured_outputs"),
+])
+def test_grpc_tool_choice_errors_name_the_field(preparer, request_, field, words):
+    with pytest.raises(InvalidArgument) as err:
+        preparer.prepare(request_)
+    assert err.value.field == field and words in str(err.value)
+
+
+def test_check_tool_choice_is_the_one_rule_of_both_apis():
+    check_tool_choice([], None)
+    check_tool_choice([], "none")
+    check_tool_choice(["f"], {"name": "f"})
+    for names, choice in (([], "auto"), (["f"], {"name": "g"}), (["f"], "always")):
+        with pytest.raises(ToolChoiceError):
+            check_tool_choice(names, choice)

@@ -21,7 +21,10 @@ that certificate. The official ``openai`` client (sync and async) and raw
   arguments validate against the tool's parameters (``jsonschema``), whole
   and as streamed ``delta.tool_calls``; the calls and a tool result go back
   into the chat (HTTP and gRPC render it alike); ``auto`` without a call
-  (the demo model writes none) returns the text.
+  (the demo model writes none) returns the text. Over gRPC (``Chat.tool_choice_*``)
+  the same forced calls arrive in ``tool_calls`` with finish reason
+  ``tool_calls``, whole and on the last streamed delta; a choice naming no
+  tool is INVALID_ARGUMENT naming ``chat.tool_choice_function``.
 - Both transports refuse calls without the key (401 / ``UNAUTHENTICATED``);
   health stays open.
 - A table of bad requests (a schema or regex that does not compile among
@@ -375,8 +378,39 @@ def test_tool_results_go_back_into_the_chat(oai, grpc_client):
     # gRPC: the same chat and tools render the same prompt (greedy: the same reply)
     as_dicts = [*TOOL_CHAT, message.model_dump(include={"role", "content", "tool_calls"}),
                 *messages[len(TOOL_CHAT) + 1:]]
-    via_grpc = grpc_client.chat(as_dicts, tools=TOOLS, max_tokens=16, temperature=0)
+    via_grpc = grpc_client.chat(as_dicts, tools=TOOLS, tool_choice="none", max_tokens=16,
+                                temperature=0)
     assert via_grpc.text == choice.message.content
+
+
+@pytest.mark.parametrize("tool_choice", ["required",
+                                         {"type": "function", "function": {"name": "get_time"}}])
+def test_grpc_tool_choice_returns_the_same_calls(oai, grpc_client, tool_choice):
+    """gRPC's Chat.tool_choice_*: the calls HTTP returns (greedy: the same), in
+    ``tool_calls`` with fresh ids, whole and on the last streamed delta only."""
+    args = dict(tools=TOOLS, tool_choice=tool_choice, max_tokens=96, temperature=0)
+    http_calls = oai.chat.completions.create(model=MODEL, messages=TOOL_CHAT,
+                                             **args).choices[0].message.tool_calls
+    whole = grpc_client.chat(TOOL_CHAT, **args)
+    assert whole.finish_reason == "tool_calls"
+    assert [(c.name, c.arguments) for c in whole.tool_calls] == [
+        (c.function.name, c.function.arguments) for c in http_calls]
+    for call in whole.tool_calls:
+        assert re.fullmatch("chatcmpl-tool-[0-9a-f]{32}", call.id)
+        jsonschema.validate(json.loads(call.arguments), PARAMETERS[call.name])
+    *deltas, last = grpc_client.stream(messages=TOOL_CHAT, **args)
+    assert not any(d.tool_calls for d in deltas) and last.finish_reason == "tool_calls"
+    assert "".join(d.text for d in (*deltas, last)) == whole.text
+    assert [(c.name, c.arguments) for c in last.tool_calls] == [
+        (c.name, c.arguments) for c in whole.tool_calls]
+
+
+def test_grpc_tool_choice_naming_no_tool_is_refused(grpc_client):
+    with pytest.raises(JaxServeError) as err:
+        grpc_client.chat(TOOL_CHAT, tools=TOOLS, tool_choice="get_stock_price", max_tokens=4)
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.message.startswith("chat.tool_choice_function: names the function "
+                                        "'get_stock_price'")
 
 
 def test_auto_tool_choice_without_a_call_is_content(oai):

@@ -33,6 +33,8 @@ from typing import Annotated, Any, Literal
 from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationInfo,
                       field_validator)
 
+from jaxserve.api.tool_calling import check_tool_choice, check_tools
+
 
 def _has_lone_surrogate(value: Any) -> bool:
     """True when a string in ``value`` (at any depth) holds a lone UTF-16 surrogate.
@@ -252,31 +254,23 @@ class ChatCompletionRequest(SamplingFields):
     @field_validator("tools")
     @classmethod
     def _distinct_names(cls, tools: list[ToolDefinition] | None) -> list[ToolDefinition] | None:
-        names = [t.function.name for t in tools or ()]
-        for name in names:
-            if names.count(name) > 1:
-                raise ValueError(f"two tools are named {name!r}; names must be distinct")
+        check_tools([t.function.name for t in tools or ()])
         return tools
 
     @field_validator("tool_choice")
     @classmethod
     def _choice_of_the_tools(cls, choice: Any, info: ValidationInfo) -> Any:
         # "tools" is validated before "tool_choice" (field order); absent if it failed
-        if "tools" not in info.data or choice in (None, "none"):
-            return choice
-        tools = info.data["tools"]
-        if not tools:
-            raise ValueError(f"{_choice_text(choice)} needs tools (set tools)")
-        names = [t.function.name for t in tools]
-        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
-            raise ValueError(f"names the function {choice.function.name!r}, which is not one "
-                             f"of tools: {', '.join(names)}")
+        if "tools" in info.data:
+            check_tool_choice([t.function.name for t in info.data["tools"] or ()],
+                              named_choice(choice))
         return choice
 
 
-def _choice_text(choice: Any) -> str:
-    return (f"tool_choice {choice!r}" if isinstance(choice, str)
-            else f"a named tool_choice ({choice.function.name!r})")
+def named_choice(choice: "str | NamedToolChoice | None") -> str | dict[str, str] | None:
+    """A body's ``tool_choice`` as ``jaxserve.api.tool_calling`` takes it (a named
+    function as ``{"name": ...}``)."""
+    return {"name": choice.function.name} if isinstance(choice, NamedToolChoice) else choice
 
 
 # field -> the values that mean "not used" (anything else is refused with a 400)

@@ -45,7 +45,7 @@ from typing import Any
 import grpc
 
 from jaxserve.api.openai.protocol import (UNSUPPORTED_FIELDS, ChatCompletionRequest,
-                                          CompletionRequest, NamedToolChoice, SamplingFields)
+                                          CompletionRequest, SamplingFields, named_choice)
 from jaxserve.api.prompts import PreparedRequest
 from jaxserve.api.runner import ApiError, RequestRunner, RunningRequest
 from jaxserve.api.tool_calling import NO_TOOLS, ToolCallPlan, ToolChoiceError, plan_tool_calls
@@ -129,14 +129,11 @@ class OpenAIServing:
             kwargs["logit_bias"] = bias
         renames = {"max_tokens": max_tokens_param, "logprobs": logprobs_param}
         structured = self._structured_outputs(body)
-        if tools.parser is not None and tools.parser.needs_special_tokens:
-            kwargs.setdefault("skip_special_tokens", False)  # its markers are special tokens
+        try:
+            tools.constrain(kwargs, other_constraint=structured and structured[1])
+        except ToolChoiceError as err:
+            raise bad_request(self.runner, "tool_choice", str(err)) from None
         if tools.schema is not None:
-            if structured is not None:
-                raise bad_request(self.runner, "tool_choice",
-                                  f"tool_choice {tools.mode!r} constrains the output, so it "
-                                  f"cannot go with {structured[1]}; set one of them")
-            kwargs["structured_outputs"] = {"json": tools.schema}
             renames.update({"structured_outputs": "tool_choice",
                             "structured_outputs.json": "tools"})
         elif structured is not None:
@@ -250,12 +247,9 @@ class OpenAIServing:
           ApiError: 400 naming ``tool_choice`` for ``auto`` on a server without
             ``--enable-auto-tool-choice``.
         """
-        choice = body.tool_choice
-        if isinstance(choice, NamedToolChoice):
-            choice = {"name": choice.function.name}
         try:
             return plan_tool_calls({t.function.name: t.function.parameters
-                                    for t in body.tools or ()}, choice,
+                                    for t in body.tools or ()}, named_choice(body.tool_choice),
                                    auto_parser=self.tool_parser,
                                    parallel=body.parallel_tool_calls is not False)
         except ToolChoiceError as err:
