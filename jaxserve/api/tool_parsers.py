@@ -9,7 +9,7 @@ are vLLM's ``--tool-call-parser`` names:
 |---|---|
 | ``hermes`` | ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, any number, text around them (Hermes 2 Pro, Qwen 2.5 / 3) |
 | ``llama3_json`` | ``{"name": ..., "parameters": {...}}`` as the whole reply, optionally after ``<|python_tag|>``, several separated by ``;`` (Llama 3.1 / 3.2 JSON tool calling) |
-| ``mistral`` | ``[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]`` after optional text (Mistral's pre-v11 tokenizers) |
+| ``mistral`` | ``[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]`` after optional text (Mistral's pre-v11 tokenizers), or ``[TOOL_CALLS]name[ARGS]{...}`` once per call (v11 and later) |
 
 ``JsonArrayToolParser`` reads the output of ``tool_choice="required"``: a JSON
 array of ``{"name", "parameters"}`` objects, which structured outputs force
@@ -33,6 +33,7 @@ import abc
 import argparse
 import dataclasses
 import json
+import re
 import uuid
 from typing import Any, ClassVar
 
@@ -240,11 +241,39 @@ class Llama3JsonToolParser(ToolParser):
 
 
 class MistralToolParser(ToolParser):
-    """``[TOOL_CALLS]`` followed by a JSON array of ``{"name", "arguments"}`` objects."""
+    """``[TOOL_CALLS]`` followed by a JSON array of ``{"name", "arguments"}`` objects
+    (Mistral's tokenizers before v11), or by ``name[ARGS]{arguments}``, the marker
+    repeated before each call (v11 and later; mistral-common's format, which vLLM's
+    ``mistral`` parser also reads). A name is 1-64 of ``A-Z a-z 0-9 _ -``
+    (OpenAI's rule for function names)."""
 
     name = "mistral"
     needs_special_tokens = True
     MARK = "[TOOL_CALLS]"
+    ARGS = "[ARGS]"
+    _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+    def _named_call(self, text: str, at: int, final: bool
+                    ) -> tuple[ToolCall | None, int, str]:
+        """The v11 call ``name[ARGS]{...}`` at ``at``: (call, its end, state) with
+        ``_json_calls``' states ("closed" for a whole call)."""
+        name = self._NAME.match(text, at)
+        if name is None:
+            return None, at, "stopped"
+        after = name.end()
+        if not text.startswith(self.ARGS, after):
+            held = not final and (after == len(text) or self.ARGS.startswith(text[after:]))
+            return None, at, ("open" if held else "stopped")
+        body = _skip_space(text, after + len(self.ARGS))
+        if body == len(text) or text[body] != "{":
+            return None, at, ("open" if body == len(text) and not final else "stopped")
+        try:
+            value, stop = _DECODER.raw_decode(text, body)
+        except ValueError:
+            return None, at, ("stopped" if final else "open")
+        if not isinstance(value, dict):
+            return None, at, "stopped"
+        return ToolCall(name.group(), json.dumps(value, ensure_ascii=False)), stop, "closed"
 
     def scan(self, text: str, final: bool) -> list[Segment]:
         out: list[Segment] = []
@@ -262,8 +291,11 @@ class MistralToolParser(ToolParser):
             at = _skip_space(text, mark + len(self.MARK))
             if at == len(text) and not final:
                 return out
-            calls, stop, state = (_json_calls(text, at + 1, final, ",", "]")
-                                  if text.startswith("[", at) else ([], at, "stopped"))
+            if text.startswith("[", at):
+                calls, stop, state = _json_calls(text, at + 1, final, ",", "]")
+            else:
+                call, stop, state = self._named_call(text, at, final)
+                calls = [] if call is None else [call]
             if state == "open":
                 return out
             if state == "stopped" or not calls:

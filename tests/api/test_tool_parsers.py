@@ -73,6 +73,16 @@ CASES = [
     (MistralToolParser, '[TOOL_CALLS] [{"name": "get_time", "arguments": ',
      '[TOOL_CALLS] [{"name": "get_time", "arguments": ', []),
     (MistralToolParser, "[TOOL is not the marker", "[TOOL is not the marker", []),
+    # Mistral v11+: the marker before each call, name[ARGS]{arguments}
+    (MistralToolParser, '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "unit": "celsius"}'
+                        '[TOOL_CALLS]get_time[ARGS]{"timezone": "Europe/Paris"}',
+     None, [WEATHER, TIME]),
+    (MistralToolParser, 'Checking. [TOOL_CALLS]get_time[ARGS] {"timezone":"Europe/Paris"} ok',
+     "Checking.  ok", [TIME]),
+    (MistralToolParser, '[TOOL_CALLS]get_time[ARGS]{"timezone": "Eur',
+     '[TOOL_CALLS]get_time[ARGS]{"timezone": "Eur', []),
+    (MistralToolParser, "[TOOL_CALLS]get time[ARGS]{}", "[TOOL_CALLS]get time[ARGS]{}", []),
+    (MistralToolParser, "[TOOL_CALLS]get_time[ARGS][1]", "[TOOL_CALLS]get_time[ARGS][1]", []),
     # tool_choice="required": the constrained JSON array, and one cut short by max_tokens
     (JsonArrayToolParser, '[{"name":"get_weather","parameters":{"city":"Paris","unit":'
                           '"celsius"}},{"name":"get_time","parameters":{"timezone":'
