@@ -3,7 +3,7 @@
 What it measures: the served ladder of a Llama-3-8B-shaped model (abstract
 bfloat16 weights: ``jax.ShapeDtypeStruct``s, nothing allocated), at
 ``max_num_seqs`` 256 and 8,192 batched tokens (T ladder 1, 4, 8, ..., 8192:
-13 bodies; R ladder 1, 2, ..., 256: 9 rungs × 5 sampler variants (MASKED, for
+13 bodies; R ladder 1, 2, ..., 256: 9 rungs × 6 sampler variants (the two masked ones, for
 structured outputs, in the background); 9 staged row writes and the
 penalty-row write), each executable compiled one after
 another for one H100 of a topology built from

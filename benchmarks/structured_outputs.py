@@ -17,7 +17,7 @@ Output tokens/s = generated tokens (all rows) / wall time of ``generate``
 ``ratio`` = (b) / (a) (the project's target: >= 0.9). The two runs generate
 different token counts (rows end at EOS), so also reported: steps and ms per
 step. Warm-up first: both batches once with few tokens, then the worker's
-background compiles (the MASKED sampler variant), so compiles in the timed
+background compiles (the masked sampler variants), so compiles in the timed
 window are counted and should be 0.
 
 Grammar compile time of each schema, on the engine's ``GrammarCompiler``:
@@ -214,7 +214,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             llm.generate(prompt_ids, [dataclasses.replace(p, max_tokens=4) for p in params],
                          use_tqdm=False)
         background = getattr(llm.engine.worker, "background_compile", None)
-        if background is not None:  # the MASKED variant; its compiles would share the cores
+        if background is not None:  # the masked variants; their compiles would share the cores
             background.join()
         runs: dict[str, list] = {name: [] for name in legs}
         for _ in range(args.repeats):

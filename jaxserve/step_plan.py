@@ -185,7 +185,7 @@ class StepPlan:
       token_bitmask: i32[s, W] (W = ceil(V / 32)), the allowed tokens of each
         sampling row in plan order (structured outputs; bit t % 32 of word
         t // 32; an unconstrained row is all ones), or None when no sampling
-        row is constrained. The worker then runs the MASKED sampler.
+        row is constrained. The worker then runs a masked sampler variant.
     """
 
     step_id: int

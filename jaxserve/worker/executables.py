@@ -7,8 +7,8 @@ shapes and dtypes ``InProcessWorker`` later calls it with, as
 - body: ``run_body``, keyed on T (its packed buffer's layout follows T): one
   per T on the ladder;
 - sampler: ``run_sampler`` (LM head + sampler), keyed on R and the sampler
-  variant: |R ladder| × |COMPILED_VARIANTS| (the MASKED variant, for steps
-  with structured-output rows, takes the step's token bitmask i32[R, W]);
+  variant: |R ladder| × |COMPILED_VARIANTS| (the masked variants, for steps
+  with structured-output rows, take the step's token bitmask i32[R, W]);
 - prompt logprobs: ``run_prompt_logprobs`` (LM head + logprobs of every
   token of the step), keyed on T: one per T on the ladder, run only in steps
   with prompt-logprob rows;
@@ -16,13 +16,13 @@ shapes and dtypes ``InProcessWorker`` later calls it with, as
   ``set_penalty_row``: |R ladder| + 1.
 
 ``split_for_startup`` orders them for start-up: everything but the middle
-sampler variants, MASKED and the prompt-logprob executables is compiled
+sampler variants, the masked ones and the prompt-logprob executables is compiled
 before the worker is ready; those (``BACKGROUND_VARIANTS``, then the prompt
 logprobs) are compiled after, in a background thread. Until
 a middle variant is ready a step that would use it runs the cheapest ready
 variant that covers it (FULL covers every unconstrained row, with FULL's
 tokens bit for bit: tests/worker/test_sampler_variants.py); a step with a
-constrained row waits for MASKED (nothing else covers it), and a step with a
+constrained row waits for a masked variant that covers it (no other does), and a step with a
 prompt-logprob row for its ``prompt_logprobs[T]``, so structured outputs and
 prompt logprobs add nothing to the start-up.
 

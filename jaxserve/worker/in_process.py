@@ -86,8 +86,8 @@ from jaxserve.worker.executables import (LadderShapes, body_executable, ladder_e
 from jaxserve.worker.inputs import StepLayout, pack, prompt_logprob_targets, query_input_ids
 from jaxserve.worker.kv_sizing import device_memory, num_kv_blocks, peak_activation_bytes
 from jaxserve.worker.rows import RowState
-from jaxserve.worker.sampler import (COMPILED_VARIANTS, FULL, MASKED, SamplerOutput,
-                                     SamplerVariant)
+from jaxserve.worker.sampler import (COMPILED_VARIANTS, FULL, SamplerOutput, SamplerVariant,
+                                     masked_variant)
 from jaxserve.worker.sampler.bitmask import ALL_ALLOWED, num_words
 
 logger = logging.getLogger(__name__)
@@ -433,7 +433,8 @@ class InProcessWorker:
         if not r:
             return PendingStep(plan.step_id, 0, None, False, slots.rows, dispatched,
                                dispatched - start, self._clock, self._count, prompt)
-        variant = self._ready_variant(r, MASKED if masked else rows.sampler_variant(sample_rows))
+        needed = rows.sampler_variant(sample_rows)
+        variant = self._ready_variant(r, masked_variant(needed) if masked else needed)
         rows.count_sampled(sample_rows)
         penalty = self.penalty if variant.processing else ds.PenaltyState(None, None)
         out, self.last_token, counts = self._call(
@@ -488,12 +489,13 @@ class InProcessWorker:
 
         ``needed`` itself once compiled; before that (a variant compiled in the
         background) a wider one, FULL at worst, whose tokens are the same.
-        MASKED (a step with structured-output rows) has nothing wider: until
-        its background compile is done the step waits for it, never compiling
-        in the step. With ``precompile`` off, ``needed`` (compiled on first use).
+        A masked variant (a step with structured-output rows) is covered only by
+        the masked variants: until one that covers it is compiled (in the
+        background) the step waits for ``needed``, never compiling in the
+        step. With ``precompile`` off, ``needed`` (compiled on first use).
 
         Raises:
-          RuntimeError: MASKED is needed and its background compile failed.
+          RuntimeError: ``needed`` must be waited for and its background compile failed.
         """
         if not self.init.precompile:
             return needed

@@ -158,7 +158,7 @@ def run_sampler(graphdef: StaticGraph, state: dict, hidden: jax.Array, slots: Sa
       prompt_mask, output_counts: bool / i32[M + 1, V] (``output_counts``
         donated) in variants that apply penalties, else None.
       token_bitmask: i32[R, ceil(V / 32)] allowed tokens per slot in the
-        MASKED variant (structured outputs; uploaded with the step's buffer),
+        masked variants (structured outputs; uploaded with the step's buffer),
         else None.
       num_reqs: R, the request bucket (static).
       variant: the sampler variant (static; ``jaxserve.worker.sampler``).

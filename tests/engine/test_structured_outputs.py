@@ -6,8 +6,10 @@ every regex output matches, every choice output is one of the choices — for
 each of ``n`` sequences (each keeps its own matcher). A bad schema / regex /
 grammar is refused naming the field, and the engine keeps serving. A seeded
 unconstrained request draws the same tokens beside constrained ones (the
-MASKED sampler's all-allowed rows are FULL's). The masked sampler compiled
-in the background: the strict recompile guard sees no compile in a step.
+MASKED sampler's all-allowed rows are FULL's). Constrained rows that need only
+temperature sampling run MASKED_SAMPLED (no threshold searches). The masked
+samplers compiled in the background: the strict recompile guard sees no
+compile in a step.
 Preempted sequences resume with their own matcher; a steady masked step
 makes one upload (buffer and bitmask) and one download.
 """
@@ -29,7 +31,7 @@ from jaxserve.model.loader import load_model
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.worker import InProcessWorker
 from jaxserve.worker.executables import variant_name
-from jaxserve.worker.sampler import MASKED
+from jaxserve.worker.sampler import MASKED, MASKED_SAMPLED
 from tests.model.hf_tiny import copy_tokenizer, make_tiny_model
 
 SCHEMA = {"type": "object",
@@ -99,7 +101,8 @@ def test_json_schema_outputs_parse_and_validate(engine, tokenizer):
         assert isinstance(json.loads(_text(tokenizer, tokens[("object", 0)])), dict)
     assert tokens[("schema", 0)] != tokens[("schema", 1)]  # two sequences, two draws
     worker = engine.worker
-    assert worker.executed_variants[variant_name(MASKED)] > 0
+    assert worker.executed_variants[variant_name(MASKED_SAMPLED)] > 0  # plain temperature
+    assert worker.executed_variants[variant_name(MASKED)] == 0
     assert worker.guard.num_recompiles == 0
 
 

@@ -2,7 +2,9 @@
 
 - pack / unpack / ``apply_token_bitmask`` against NumPy, bit order included;
 - MASKED on raw logits is bit for bit FULL on logits whose disallowed tokens
-  were set to -inf by NumPy first (so the mask comes before every stage);
+  were set to -inf by NumPy first (so the mask comes before every stage), and
+  MASKED_SAMPLED SAMPLED's on the rows SAMPLED covers; ``masked_variant``
+  picks MASKED_SAMPLED only for rows SAMPLED covers;
 - draws never pick a disallowed token, and stay inside the support of the
   NumPy reference distribution of the masked logits (top-k / top-p / min-p
   on the masked distribution); frequencies within 6 sigma of it;
@@ -18,7 +20,9 @@ import numpy as np
 import pytest
 
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.worker.sampler import FULL, MASKED, build_sampling_metadata, sample
+from jaxserve.worker.sampler import (FULL, GREEDY, MASKED, MASKED_SAMPLED, PROCESSED, SAMPLED,
+                                     build_sampling_metadata, covering_variant,
+                                     masked_variant, sample)
 from jaxserve.worker.sampler.bitmask import (apply_token_bitmask, num_words, pack_bitmask,
                                              unpack_bitmask)
 from jaxserve.worker.sampler.reference import distribution, log_softmax
@@ -81,6 +85,32 @@ def test_masked_is_full_on_premasked_logits_bit_for_bit():
         for field in ("token_ids", "logprob", "rank", "top_logprobs", "top_token_ids"):
             np.testing.assert_array_equal(getattr(got, field), getattr(want, field), field)
         assert allowed[np.arange(rows), got.token_ids].all()
+
+
+def test_masked_sampled_is_sampled_on_premasked_logits_bit_for_bit():
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0),
+              SamplingParams(temperature=0.7, top_k=5), SamplingParams(temperature=1.3, min_p=0.2),
+              SamplingParams(temperature=1.0)]  # the last unconstrained (all ones)
+    rng = np.random.default_rng(3)
+    rows = len(params)
+    logits = rng.normal(0, 2, (rows, VOCAB)).astype(np.float32)
+    allowed = _allowed(rng, rows)
+    md = _metadata(params, [[1, 2, 3]] * rows, [[4]] * rows, list(range(rows)))
+    for step in range(3):
+        key = jax.random.key(step)
+        got = jax.device_get(sample(logits, md, key, pack_bitmask(allowed),
+                                    variant=MASKED_SAMPLED, num_candidates=KC))
+        want = jax.device_get(sample(np.where(allowed, logits, -np.inf).astype(np.float32), md,
+                                     key, variant=SAMPLED, num_candidates=KC))
+        np.testing.assert_array_equal(got.token_ids, want.token_ids)
+        assert allowed[np.arange(rows), got.token_ids].all()
+
+
+def test_a_constrained_step_pays_for_the_searches_only_when_a_row_needs_them():
+    assert masked_variant(GREEDY) == masked_variant(SAMPLED) == MASKED_SAMPLED
+    assert masked_variant(PROCESSED) == masked_variant(FULL) == MASKED
+    for variant in (GREEDY, SAMPLED, PROCESSED, FULL):  # unconstrained: never a masked one
+        assert not covering_variant(variant).mask
 
 
 def test_draws_follow_the_masked_reference_distribution():

@@ -15,14 +15,17 @@ from jaxserve.worker.sampler.metadata import (SamplingMetadata, build_sampling_m
 from jaxserve.worker.sampler.sampler import SamplerOutput, process_logits, sample
 from jaxserve.worker.sampler.top_k_top_p import NUM_CANDIDATES
 from jaxserve.worker.sampler.variants import (COMPILED_VARIANTS, FULL, GREEDY, MASKED,
-                                              PROCESSED, SAMPLED,
-                                              SAMPLER_VARIANTS, SamplerVariant, choose_variant, covering_variant)
+                                              MASKED_SAMPLED, MASKED_VARIANTS, PROCESSED,
+                                              SAMPLED, SAMPLER_VARIANTS, SamplerVariant,
+                                              choose_variant, covering_variant, masked_variant)
 
 __all__ = [
     "COMPILED_VARIANTS",
     "FULL",
     "GREEDY",
     "MASKED",
+    "MASKED_SAMPLED",
+    "MASKED_VARIANTS",
     "NUM_CANDIDATES",
     "PROCESSED",
     "SAMPLED",
@@ -33,6 +36,7 @@ __all__ = [
     "build_sampling_metadata",
     "choose_variant",
     "covering_variant",
+    "masked_variant",
     "process_logits",
     "sample",
     "token_logprobs",

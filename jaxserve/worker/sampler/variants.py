@@ -28,14 +28,19 @@ needs it. Stages and the rows that need them (``T`` = temperature, KC =
   it the outputs hold the no-logprobs values (NaN, -1, -inf, -1).
 - ``mask``: the structured-output token bitmask (``bitmask.py``), applied to
   the raw logits before every other stage: any step with a constrained row
-  (the host knows: the plan carries a bitmask). Only MASKED has it.
+  (the host knows: the plan carries a bitmask). Only the ``MASKED_VARIANTS``
+  have it.
 
 The variants chosen from sampling parameters (``SAMPLER_VARIANTS``, cheapest
 first): GREEDY (argmax only), SAMPLED (temperature, filters from the
 candidates, Gumbel draws), PROCESSED (SAMPLED + processing + logprobs) and
 FULL (PROCESSED + search), which covers every unconstrained row. A step with
-a constrained row runs MASKED (FULL + mask), so unconstrained steps pay
-nothing for the mask. The server compiles ``COMPILED_VARIANTS`` (all five).
+a constrained row runs a masked variant (``masked_variant``): MASKED_SAMPLED
+(SAMPLED + mask) when its rows need no more than SAMPLED — plain
+temperature sampling or greedy, what structured outputs and tool calls
+mostly ask for — else MASKED (FULL + mask), so unconstrained steps pay
+nothing for the mask and constrained ones pay for the searches only when a
+row needs them. The server compiles ``COMPILED_VARIANTS`` (all six).
 The searches (64 passes over [R, V]) cost far more than every other stage
 (XLA on a 2-core CPU, R = 64, V = 49,152: PROCESSED ~27 ms per call, FULL
 ~150-180 ms), so only batches with a row that may need them pay for them.
@@ -102,8 +107,13 @@ SAMPLED = SamplerVariant(search=False, processing=False, logprobs=False)
 PROCESSED = SamplerVariant(search=False)
 FULL = SamplerVariant()
 SAMPLER_VARIANTS = (GREEDY, SAMPLED, PROCESSED, FULL)
+# The variants of steps with a constrained row, cheapest first; MASKED covers every row.
+MASKED_SAMPLED = SamplerVariant(search=False, processing=False, logprobs=False, mask=True)
 MASKED = SamplerVariant(mask=True)
-COMPILED_VARIANTS = (*SAMPLER_VARIANTS, MASKED)  # what a server compiles per R
+MASKED_VARIANTS = (MASKED_SAMPLED, MASKED)
+# What a server compiles per R; covering_variant's order (a masked variant covers
+# an unconstrained row too, but FULL comes first).
+COMPILED_VARIANTS = (*SAMPLER_VARIANTS, *MASKED_VARIANTS)
 
 
 def required_stages(temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray,
@@ -176,3 +186,9 @@ def covering_variant(needed: SamplerVariant) -> SamplerVariant:
         if variant.covers(needed):
             return variant
     raise AssertionError(f"no variant covers {needed}")  # MASKED covers everything
+
+
+def masked_variant(variant: SamplerVariant) -> SamplerVariant:
+    """The cheapest of ``MASKED_VARIANTS`` that covers ``variant``'s stages and the mask:
+    the variant of a step with a constrained row whose rows need ``variant``."""
+    return covering_variant(dataclasses.replace(variant, mask=True))
