@@ -272,16 +272,22 @@ def test_cpu_side_by_side(tiny_model_dir, tmp_path):
 
 
 def test_structured_outputs(tiny_model_dir, tmp_path):
-    """Both batches run, every constrained row is counted, no compile in the timed window."""
+    """The three batches run, every constrained row is counted, no compile in the timed window;
+    the matched batch generates exactly the half-constrained batch's tokens."""
     out = run_bench("structured_outputs", tmp_path, "--model", str(tiny_model_dir), "--batch", "4",
                     "--max-tokens", "8", "--repeats", "1", "--max-num-batched-tokens", "256")
     runs = out["runs"]
-    assert set(runs) == {"unconstrained", "half_constrained"}
+    assert set(runs) == {"unconstrained", "half_constrained", "unconstrained_matched"}
+    assert (runs["unconstrained_matched"][0]["output_tokens"]
+            == runs["half_constrained"][0]["output_tokens"])
     for name, (run,) in runs.items():
         assert run["compiles"] == 0, name
         assert run["output_tokens_per_s"] == pytest.approx(run["output_tokens"] / run["elapsed"])
     assert out["ratio"] == pytest.approx(out["output_tokens_per_s"]["half_constrained"]
                                          / out["output_tokens_per_s"]["unconstrained"])
+    assert out["ratio_matched"] == pytest.approx(
+        out["output_tokens_per_s"]["half_constrained"]
+        / out["output_tokens_per_s"]["unconstrained_matched"])
     (counts,) = out["validation"]
     assert counts["constrained"] == 2  # rows 0 and 2 of 4
     assert counts["valid"] <= counts["parsed"] <= counts["constrained"]
