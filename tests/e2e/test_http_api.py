@@ -15,7 +15,8 @@ that certificate. The official ``openai`` client (sync and async) and raw
   ``prompt_logprobs`` field (completions and chat) and the gRPC service's
   ``prompt_logprobs`` carry the same values. Structured outputs
   (``response_format`` json_schema / json_object, vLLM's ``structured_outputs``
-  choice / regex) follow their constraint.
+  choice / regex) follow their constraint; the OpenAI client's ``parse`` helper
+  gets its pydantic model back.
 - Tool calling (the server runs ``--enable-auto-tool-choice --tool-call-parser
   hermes``): ``tool_choice`` required and named return ``tool_calls`` whose
   arguments validate against the tool's parameters (``jsonschema``), whole
@@ -48,6 +49,7 @@ import grpc
 import httpx
 import jsonschema
 import openai
+import pydantic
 import pytest
 
 from jaxserve.client import Client, JaxServeError
@@ -298,6 +300,23 @@ def test_structured_outputs_response_format_and_extra_body(oai, grpc_client):
     via_grpc = grpc_client.generate(PROMPT, max_tokens=8, temperature=0,
                                     structured_outputs={"regex": "[0-9]{4}"})
     assert via_grpc.text == digits.choices[0].text
+
+
+class City(pydantic.BaseModel):
+    city: str = pydantic.Field(max_length=24)
+    population_millions: int = pydantic.Field(ge=0, le=100)
+
+
+def test_the_openai_clients_parse_helper_gets_its_pydantic_model(oai):
+    """``chat.completions.parse`` / ``beta.chat.completions.parse`` with a pydantic model as
+    ``response_format``: the strict schema the client derives is served, the reply parses."""
+    for parse in (oai.chat.completions.parse, oai.beta.chat.completions.parse):
+        reply = parse(model=MODEL, messages=CHAT, response_format=City, max_tokens=48,
+                      temperature=0)
+        (choice,) = reply.choices
+        assert choice.finish_reason == "stop", choice.message.content
+        assert isinstance(choice.message.parsed, City)
+        assert choice.message.parsed == City.model_validate_json(choice.message.content)
 
 
 # ------------------------------------------------------------ tool calling

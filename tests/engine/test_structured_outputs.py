@@ -1,7 +1,10 @@
 """Structured outputs through the engine: a tiny random-weight Llama with a real tokenizer.
 
 At temperature 1.0 the random model would write anything; under its grammar
-every JSON output parses and validates against its schema (``jsonschema``),
+every JSON output parses and validates against its schema (``jsonschema``) —
+200 outputs across 20 schemas (integers and numbers in ranges, booleans,
+enums, bounded strings and arrays, nested objects, required and optional
+fields, ``additionalProperties: false``) —
 every regex output matches, every choice output is one of the choices — for
 each of ``n`` sequences (each keeps its own matcher). A bad schema / regex /
 grammar is refused naming the field, and the engine keeps serving. A seeded
@@ -17,6 +20,7 @@ makes one upload (buffer and bitmask) and one download.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import re
 
@@ -104,6 +108,41 @@ def test_json_schema_outputs_parse_and_validate(engine, tokenizer):
     assert worker.executed_variants[variant_name(MASKED_SAMPLED)] > 0  # plain temperature
     assert worker.executed_variants[variant_name(MASKED)] == 0
     assert worker.guard.num_recompiles == 0
+
+
+# Property values for the 20 schemas below: two of them per schema, every pair in turn.
+VALUES = {
+    "int": {"type": "integer", "minimum": -50, "maximum": 50},
+    "bool": {"type": "boolean"},
+    "enum": {"enum": ["red", "green", "blue"]},
+    "str": {"type": "string", "maxLength": 6},
+    "num": {"type": "number", "minimum": 0, "maximum": 10},
+    "arr": {"type": "array", "items": {"enum": [1, 2, 3]}, "maxItems": 3},
+    "obj": {"type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9},
+                                             "y": {"type": "boolean"}},
+            "required": ["x", "y"], "additionalProperties": False},
+}
+SCHEMAS = [{"type": "object", "properties": {"a": VALUES[a], "b": VALUES[b]},
+            "required": ["a", "b"] if i % 3 else ["a"], "additionalProperties": False}
+           for i, (a, b) in enumerate(itertools.combinations(VALUES, 2))][:20]
+
+
+def test_200_outputs_of_20_schemas_all_validate(engine, tokenizer):
+    """Each schema 10 times (seeded, temperature 1.0): every output ends by its grammar
+    ("stop"), parses and validates; a schema's outputs differ."""
+    requests = {f"s{i}-{k}": SamplingParams(temperature=1.0, seed=100 * i + k, max_tokens=90,
+                                            structured_outputs={"json": schema})
+                for i, schema in enumerate(SCHEMAS) for k in range(10)}
+    tokens, reasons = _run(engine, requests)
+    assert len(tokens) == 200
+    outputs: dict[int, set] = {}
+    for (rid, _), ids in tokens.items():
+        text = _text(tokenizer, ids)
+        assert reasons[(rid, 0)] == "stop", text
+        schema = int(rid[1:].split("-")[0])
+        jsonschema.validate(json.loads(text), SCHEMAS[schema])
+        outputs.setdefault(schema, set()).add(text)
+    assert all(len(texts) > 1 for texts in outputs.values()), outputs
 
 
 def test_regex_and_choice_outputs(engine, tokenizer):
