@@ -47,9 +47,19 @@ compiles in a thread pool while its sequences wait in the waiting queue; a
 step with a constrained sampling row carries the rows' token bitmask
 (``StepPlan.token_bitmask``, computed from each sequence's matcher when the
 step is planned), and the matcher consumes the token when the step's result
-is applied. Such a row's next mask needs that token, so **no run-ahead while
-a constrained row is in flight**: ``step()`` then waits for the step's result
-before planning the next (the synchronous order, for that step only).
+is applied. Such a row's next mask needs that token, so **a step with
+constrained rows waits for the constrained rows in flight**: ``step()`` plans
+step N + 1 while step N runs, as always, but when both carry constrained
+rows it submits N + 1 only once N's result is applied and N + 1's masks are
+computed from the advanced matchers::
+
+    step():  schedule + build step N + 1 (no masks yet)   (step N still running)
+             wait for step N → update() (matchers consume N's tokens)
+             masks of N + 1 → submit step N + 1 → return step N's outputs
+
+so scheduling and plan building still overlap step N, and the caller's
+output handling overlaps step N + 1; only the update and the masks
+(``compute_bitmask`` per constrained row) sit between the two steps.
 
 Worker death: ``execute`` raises ``WorkerDiedError``; ``step()`` re-raises
 it, and every later ``step()`` / ``add_request`` raises it at once
@@ -226,20 +236,25 @@ class EngineCore:
             if self._in_flight is None:
                 return self._take_failed()
         current = self._in_flight
-        if current.plan.token_bitmask is not None:  # constrained rows in flight: no run-ahead
-            self._in_flight = None
-            return self._take_failed() + self._apply(current.scheduled, current.result.result(),
-                                                     ())
         placeholders = self._add_placeholders(current.scheduled)
         try:
-            self._in_flight = self._submit(self._plan())
+            planned = self._plan(masks=False)
         finally:
             for req, cacheable in placeholders:
                 req.cacheable = cacheable
-        return self._take_failed() + self._apply(current.scheduled, current.result.result(),
-                                                 [req for req, _ in placeholders])
+        # Constrained rows in flight and in the next step: its masks need their tokens.
+        waits = (planned is not None and current.plan.token_bitmask is not None
+                 and self._constrained(planned[0]))
+        self._in_flight = None if waits else self._submit(self._with_masks(planned))
+        outputs = self._apply(current.scheduled, current.result.result(),
+                              [req for req, _ in placeholders])
+        if waits:
+            self._in_flight = self._submit(self._with_masks(planned))
+        return self._take_failed() + outputs
 
-    def _plan(self) -> tuple[ScheduledStep, StepPlan] | None:
+    def _plan(self, masks: bool = True) -> tuple[ScheduledStep, StepPlan] | None:
+        """Schedules and builds the next step; ``masks`` False leaves its structured-output
+        masks for ``_with_masks`` (after the step in flight is applied)."""
         t0 = time.process_time()
         scheduled = self.scheduler.schedule()
         self._failed.extend(scheduled.failed)
@@ -248,20 +263,39 @@ class EngineCore:
             return None
         sched = self.config.scheduler
         plan = build_plan(scheduled, self._next_step_id, sched.token_buckets,
-                          sched.request_buckets, self._token_bitmask(scheduled))
+                          sched.request_buckets, self._token_bitmask(scheduled) if masks else None)
         self._next_step_id += 1
         self.schedule_seconds += time.process_time() - t0
         return scheduled, plan
 
+    def _with_masks(self, planned: tuple[ScheduledStep, StepPlan] | None
+                    ) -> tuple[ScheduledStep, StepPlan] | None:
+        """``planned`` with its masks computed now (``_plan(masks=False)``'s plan)."""
+        if planned is None or not self._constrained(planned[0]):
+            return planned
+        t0 = time.process_time()
+        scheduled, plan = planned
+        plan = dataclasses.replace(plan, token_bitmask=self._token_bitmask(scheduled))
+        self.schedule_seconds += time.process_time() - t0
+        return scheduled, plan
+
+    @staticmethod
+    def _constrained(scheduled: ScheduledStep) -> bool:
+        """Whether a sampling row of ``scheduled`` has structured outputs."""
+        return any(sample and req.grammar is not None
+                   for req, sample in zip(scheduled.reqs, scheduled.sample))
+
     def _token_bitmask(self, scheduled: ScheduledStep) -> np.ndarray | None:
         """i32[s, W]: the sampling rows' allowed tokens; None when none is constrained."""
-        sampling = [req for req, sample in zip(scheduled.reqs, scheduled.sample) if sample]
-        if all(req.grammar is None for req in sampling):
+        if not self._constrained(scheduled):
             return None
+        sampling = [req for req, sample in zip(scheduled.reqs, scheduled.sample) if sample]
         words = -(-self.geometry.vocab_size // 32)
         mask = np.full((len(sampling), words), -1, np.int32)  # -1: every token allowed
         for j, req in enumerate(sampling):
-            if req.grammar is not None:
+            # A sequence the step in flight finished keeps all ones: its token is dropped,
+            # and its matcher may have stopped on an error.
+            if req.grammar is not None and not req.is_finished:
                 mask[j] = req.grammar.bitmask()
         return mask
 

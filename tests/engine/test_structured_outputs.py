@@ -14,7 +14,10 @@ temperature sampling run MASKED_SAMPLED (no threshold searches). The masked
 samplers compiled in the background: the strict recompile guard sees no
 compile in a step.
 Preempted sequences resume with their own matcher; a steady masked step
-makes one upload (buffer and bitmask) and one download.
+makes one upload (buffer and bitmask) and one download. With constrained rows
+in flight the next step is still scheduled while the device runs, and
+submitted, its masks from the advanced matchers, once the step's result is
+applied (the outputs validating are the check that the masks were fresh).
 """
 
 from __future__ import annotations
@@ -185,6 +188,41 @@ def test_bad_constraint_is_refused_and_the_engine_keeps_serving(engine, so, fiel
                                                            ignore_eos=True)})
     assert reasons[("bad", 0)] == "abort" and tokens[("bad", 0)] == []
     assert reasons[("good", 0)] == "length" and len(tokens[("good", 0)]) == 3
+
+
+def test_the_next_constrained_step_is_planned_while_one_runs(engine, monkeypatch):
+    """Events of a constrained run: each step after the first is scheduled before the
+    result of the step in flight is read, and submitted (with its masks) after it."""
+    events = []
+    schedule, submit = engine.scheduler.schedule, engine.worker.submit
+
+    def scheduling():
+        events.append(("schedule", None))
+        return schedule()
+
+    def submitting(plan):
+        pending = submit(plan)
+        events.append(("submit", plan.step_id))
+        result = pending.result
+
+        def reading():
+            events.append(("result", plan.step_id))
+            return result()
+
+        monkeypatch.setattr(pending, "result", reading)
+        return pending
+
+    monkeypatch.setattr(engine.scheduler, "schedule", scheduling)
+    monkeypatch.setattr(engine.worker, "submit", submitting)
+    _run(engine, {"s": SamplingParams(temperature=1.0, seed=4, max_tokens=30,
+                                      structured_outputs={"json": SCHEMA})})
+    submits = [i for i, (kind, _) in enumerate(events) if kind == "submit"]
+    assert len(submits) > 5
+    for before, after in zip(submits, submits[1:]):
+        step = events[before][1]
+        read = events.index(("result", step))
+        planned = max(i for i in range(before, after) if events[i][0] == "schedule")
+        assert before < planned < read < after, events[before:after + 1]
 
 
 def test_preempted_sequences_keep_their_matcher(tiny_dir, tokenizer):
