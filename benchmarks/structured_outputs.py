@@ -267,6 +267,10 @@ def main(argv=None) -> int:
               f"{statistics.median(r['ms_per_step'] for r in rs):8.1f}")
     print(f"ratio half_constrained / unconstrained: {result['ratio']:.3f} (target >= 0.9); "
           f"/ unconstrained_matched: {result['ratio_matched']:.3f}")
+    if result["ratio_matched"] > 1.05:
+        print("note: the matched batch, the same work without constraints, ran slower than the "
+              "constrained one: the machine was busy (load average "
+              f"{result['load_average_after']}); rerun with more --repeats on an idle machine")
     for name, t in result["grammar_compile_s"].items():
         print(f"compile {name}: {t}")
     print(f"validation: {result['validation']}; written to {path}")

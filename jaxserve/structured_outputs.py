@@ -76,11 +76,11 @@ class StructuredOutputsParams:
                     parsed = _json.loads(value)
                 except ValueError as err:
                     raise ValueError(f"structured_outputs.json is not valid JSON: {err}") from None
-            elif isinstance(value, Mapping):
+            elif isinstance(value, (Mapping, bool)):  # JSON Schema's true / false too
                 parsed = value
             else:
-                raise ValueError(f"structured_outputs.json must be a JSON schema (an object or "
-                                 f"its JSON text), got {type(value).__name__}")
+                raise ValueError(f"structured_outputs.json must be a JSON schema (an object, "
+                                 f"true, or its JSON text), got {type(value).__name__}")
             if not isinstance(parsed, (dict, bool)):
                 raise ValueError(f"structured_outputs.json must be a JSON schema object, "
                                  f"got {parsed!r:.80}")

@@ -38,6 +38,8 @@ def test_dict_schema_and_its_text_share_a_cache_key_when_keys_sorted():
     ({"json": "[1, 2]"}, "structured_outputs.json"),
     ({"json": 3}, "structured_outputs.json"),
     ({"json": "false"}, "structured_outputs.json is the schema false, which no value matches"),
+    ({"json": False}, "structured_outputs.json is the schema false, which no value matches"),
+    ({"json": 3}, "an object, true, or its JSON text"),
     ({"choice": []}, "structured_outputs.choice"),
     ({"choice": "yes"}, "structured_outputs.choice"),
     ({"choice": ["a", ""]}, "structured_outputs.choice"),

@@ -30,8 +30,8 @@ import types
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from jaxserve.api.tool_calling import (NO_TOOLS, ToolCallPlan, ToolChoiceError, check_tools,
-                                       plan_tool_calls)
+from jaxserve.api.tool_calling import (NO_TOOLS, ToolCallPlan, ToolChoiceError,
+                                       check_tool_name, check_tools, plan_tool_calls)
 from jaxserve.api.tool_parsers import ToolParser
 from jaxserve.api.validation import validate_chat, validate_text
 from jaxserve.proto import generate_pb2 as pb
@@ -131,6 +131,10 @@ def template_tools(tools: Sequence[pb.Tool], *, field: str = "chat.tools") -> li
     for i, tool in enumerate(tools):
         if not tool.name:
             raise InvalidArgument(f"{field}[{i}].name", "a tool needs a name")
+        try:
+            check_tool_name(tool.name)
+        except ValueError as err:
+            raise InvalidArgument(f"{field}[{i}].name", str(err)) from None
         function: dict[str, Any] = {"name": tool.name}
         if tool.description:
             function["description"] = tool.description

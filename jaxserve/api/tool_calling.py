@@ -22,6 +22,7 @@ API from ``Chat.tool_choice_mode`` / ``Chat.tool_choice_function``
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -36,12 +37,21 @@ AUTO_NEEDS_FLAGS = ('"auto" tool choice (the default when tools are given) requi
                     'tool_choice "none", "required" or a named function instead')
 
 
+TOOL_NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
+"""A function's name: 1-64 of ``A-Z a-z 0-9 _ -`` (OpenAI's rule; both APIs check it)."""
+
 TOOL_CHOICE_MODES = ("none", "auto", "required")
 """``tool_choice`` as a string; a function is named as ``{"name": ...}``."""
 
 
 class ToolChoiceError(ValueError):
     """A ``tool_choice`` this server cannot serve (the message explains; param ``tool_choice``)."""
+
+
+def check_tool_name(name: str) -> None:
+    """Raises ValueError unless ``name`` follows ``TOOL_NAME_PATTERN``."""
+    if not re.fullmatch(TOOL_NAME_PATTERN, name):
+        raise ValueError(f"a function's name is 1-64 of A-Z a-z 0-9 _ -, got {name!r:.80}")
 
 
 def check_tools(names: Sequence[str]) -> None:
@@ -155,8 +165,9 @@ class ToolCallPlan:
         if self.schema is None:
             return
         if other_constraint is not None:
-            raise ToolChoiceError(f"tool_choice {self.mode!r} constrains the output, so it "
-                                  f"cannot go with {other_constraint}; set one of them")
+            choice = _choice_text(self.mode if self.name is None else {"name": self.name})
+            raise ToolChoiceError(f"{choice} constrains the output, so it cannot go with "
+                                  f"{other_constraint}; set one of them")
         kwargs["structured_outputs"] = {"json": self.schema}
 
     def stream(self) -> ToolCallStream | NamedToolCallStream | None:

@@ -24,7 +24,7 @@ from jaxserve.sampling_params import SamplingParams
 Message = Mapping[str, Any] | tuple[str, str] | pb.ChatMessage
 
 # tool_choice: "none" / "auto" / "required", a function's name, or OpenAI's
-# {"type": "function", "function": {"name": ...}}.
+# {"type": "function", "function": {"name": ...}} (or {"name": ...}).
 ToolChoice = str | Mapping[str, Any]
 
 DEFAULT_PORT = 50051  # where ``jaxserve serve`` listens unless told otherwise
@@ -298,11 +298,20 @@ def _chat(messages: Iterable[Message], add_generation_prompt: bool | None,
         chat.tools.add(name=function["name"], description=function.get("description") or "",
                        parameters="" if parameters is None else _json_text(parameters))
     if isinstance(tool_choice, Mapping):
-        chat.tool_choice_function = tool_choice["function"]["name"]
+        function = tool_choice.get("function", tool_choice)
+        name = function.get("name") if isinstance(function, Mapping) else None
+        if not isinstance(name, str):
+            raise TypeError(f"tool_choice names a function as {{'type': 'function', "
+                            f"'function': {{'name': ...}}}} or {{'name': ...}}, got "
+                            f"{dict(tool_choice)!r:.80}")
+        chat.tool_choice_function = name
     elif tool_choice in ("none", "auto", "required"):
         chat.tool_choice_mode = tool_choice
-    elif tool_choice is not None:
+    elif isinstance(tool_choice, str):
         chat.tool_choice_function = tool_choice
+    elif tool_choice is not None:
+        raise TypeError(f"tool_choice must be a string or a mapping, got "
+                        f"{type(tool_choice).__name__}")
     if parallel_tool_calls is not None:
         chat.parallel_tool_calls = parallel_tool_calls
     if add_generation_prompt is not None:

@@ -97,8 +97,10 @@ def grammar_text(params: StructuredOutputsParams) -> str:
 
     kind = params.kind
     if kind == "json":
-        schema = params.json if isinstance(params.json, str) else json.dumps(params.json)
-        return LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
+        schema = json.loads(params.json) if isinstance(params.json, str) else params.json
+        if schema is True:  # JSON Schema's "true" (any value) as the schema llguidance takes
+            schema = {}
+        return LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=_JSON_OPTIONS)
     if kind == "json_object":
         return LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=_JSON_OPTIONS)
     if kind == "regex":

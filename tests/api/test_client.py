@@ -170,6 +170,11 @@ def test_tool_choice_and_parallel_tool_calls_travel_in_the_chat(client, server, 
     assert chat.HasField("parallel_tool_calls") and not chat.parallel_tool_calls
     with pytest.raises(ValueError, match="need messages"):
         client.generate("x", tool_choice="required")
+    client.chat([("user", "Time?")], tools=tools, tool_choice={"name": "get_time"})
+    assert last_request(server).chat.tool_choice_function == "get_time"
+    for bad in ({"function": {}}, {"type": "function"}, 3):
+        with pytest.raises(TypeError, match="tool_choice"):
+            client.chat([("user", "Time?")], tools=tools, tool_choice=bad)
 
 
 def test_tool_calls_in_the_last_response_reach_the_result():

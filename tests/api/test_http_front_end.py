@@ -244,6 +244,8 @@ SCHEMA_FORMAT = {"name": "x", "schema": {"type": "object"}}
      "response_format.json_schema.strict"),
     ({"type": "json_schema", "json_schema": {"name": "x", "schema": "{}"}},
      "response_format.json_schema.schema"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": False}},
+     "response_format.json_schema.schema"),
     ({"type": "text", "json_schema": SCHEMA_FORMAT}, "response_format.json_schema"),
     ({"type": "json_object", "json_schema": SCHEMA_FORMAT}, "response_format.json_schema"),
     ({"type": "json_schema"}, "response_format.json_schema"),

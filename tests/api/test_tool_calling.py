@@ -192,6 +192,11 @@ def test_grpc_auto_reads_special_tokens_unless_told_otherwise(preparer):
     (_tool_request(function="get_time"), "chat.tool_choice_function",
      "names the function 'get_time', which is not one of tools: get_weather"),
     (_tool_request(mode="none", tools=("f", "f")), "chat.tools", "two tools are named 'f'"),
+    (_tool_request(mode="none", tools=("get weather",)), "chat.tools[0].name",
+     "1-64 of A-Z a-z 0-9 _ -, got 'get weather'"),
+    (_tool_request(mode="none", tools=("f" * 65,)), "chat.tools[0].name", "1-64 of"),
+    (_tool_request(function="get_weather", structured_outputs=pb.StructuredOutputs(regex="a")),
+     "chat.tool_choice_function", "a named tool_choice ('get_weather') constrains the output"),
     (_tool_request(mode="required", structured_outputs=pb.StructuredOutputs(regex="a+")),
      "chat.tool_choice_mode", "cannot go with sampling_params.structured_outputs"),
 ])

@@ -68,3 +68,5 @@ def test_the_first_step_probe_leaves_good_grammars_alone(compiler):
     _check(compiler, regex="[a-z]+")   # many first tokens: the probe stops at a few
     _check(compiler, choice=["yes", "no"])
     _check(compiler, json_object=True)
+    _check(compiler, json=True)  # JSON Schema's "true": any value, as the schema {}
+    _check(compiler, json="true")

@@ -33,7 +33,7 @@ from typing import Annotated, Any, Literal
 from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationInfo,
                       field_validator)
 
-from jaxserve.api.tool_calling import check_tool_choice, check_tools
+from jaxserve.api.tool_calling import TOOL_NAME_PATTERN, check_tool_choice, check_tools
 
 
 def _has_lone_surrogate(value: Any) -> bool:
@@ -192,7 +192,7 @@ class FunctionDefinition(_Body):
     accepted, and constrained calls always follow the schema.
     """
 
-    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    name: str = Field(pattern=TOOL_NAME_PATTERN)
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None

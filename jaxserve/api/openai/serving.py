@@ -163,7 +163,7 @@ class OpenAIServing:
                                   "needs a schema (an object): {\"name\": ..., \"schema\": "
                                   "{...}}")
             schema = fmt.json_schema.json_schema
-            return {"json": schema if isinstance(schema, dict) else {}}, "response_format"
+            return {"json": schema}, "response_format"
         if body.structured_outputs is not None:
             return dict(body.structured_outputs), "structured_outputs"
         return None
