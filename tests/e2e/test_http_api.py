@@ -22,7 +22,8 @@ that certificate. The official ``openai`` client (sync and async) and raw
   arguments validate against the tool's parameters (``jsonschema``), whole
   and as streamed ``delta.tool_calls``; the calls and a tool result go back
   into the chat (HTTP and gRPC render it alike); ``auto`` without a call
-  (the demo model writes none) returns the text. Over gRPC (``Chat.tool_choice_*``)
+  (the demo model writes none) returns the text, and a call it is made to write (by a
+  regex) comes back as ``tool_calls``. Over gRPC (``Chat.tool_choice_*``)
   the same forced calls arrive in ``tool_calls`` with finish reason
   ``tool_calls``, whole and on the last streamed delta; a choice naming no
   tool is INVALID_ARGUMENT naming ``chat.tool_choice_function``.
@@ -422,6 +423,28 @@ def test_grpc_tool_choice_returns_the_same_calls(oai, grpc_client, tool_choice):
     assert "".join(d.text for d in (*deltas, last)) == whole.text
     assert [(c.name, c.arguments) for c in last.tool_calls] == [
         (c.name, c.arguments) for c in whole.tool_calls]
+
+
+def test_auto_tool_choice_reads_a_call_the_model_writes(oai, grpc_client):
+    """auto (hermes): a reply holding a call — forced here by a regex, as the demo model
+    writes none — comes back as tool_calls with finish reason tool_calls, whole and
+    streamed, over HTTP and gRPC."""
+    want = [("get_time", {"timezone": "UTC"})]
+    regex = r'<tool_call>\{"name":"get_time","arguments":\{"timezone":"UTC"\}\}</tool_call>'
+    args = dict(model=MODEL, messages=TOOL_CHAT, tools=TOOLS, tool_choice="auto",
+                max_tokens=128, temperature=0,
+                extra_body={"structured_outputs": {"regex": regex}})
+    (choice,) = oai.chat.completions.create(**args).choices
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert [(c.function.name, json.loads(c.function.arguments))
+            for c in choice.message.tool_calls] == want
+    content, streamed, reason = _streamed_calls(oai.chat.completions.create(**args, stream=True))
+    assert content == "" and reason == "tool_calls"
+    assert [(name, json.loads(arguments)) for _, name, arguments in streamed] == want
+    via_grpc = grpc_client.chat(TOOL_CHAT, tools=TOOLS, tool_choice="auto", max_tokens=128,
+                                temperature=0, structured_outputs={"regex": regex})
+    assert via_grpc.finish_reason == "tool_calls"
+    assert [(c.name, json.loads(c.arguments)) for c in via_grpc.tool_calls] == want
 
 
 def test_grpc_tool_choice_naming_no_tool_is_refused(grpc_client):
