@@ -58,7 +58,8 @@ SECTIONS = ("kernel", "decode", "model", "offline", "serve")
 NEEDS_MODEL = ("offline", "serve")
 # Seconds per section on an H100/H200: 8 minutes in all with the imports check.
 BUDGETS = {"kernel": 60, "decode": 60, "model": 40, "offline": 150, "serve": 150}
-# Module -> the wheel that provides it, for every import of the sections (GPU_RUNBOOK's list).
+# Module -> the wheel that provides it, for every import of the sections: what a machine
+# without a package registry must already have or be brought as wheels.
 IMPORTS = {
     "jax": "jax", "jaxlib": "jaxlib", "flax": "flax", "numpy": "numpy",
     "transformers": "transformers", "tokenizers": "tokenizers", "torch": "torch",

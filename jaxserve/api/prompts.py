@@ -129,8 +129,6 @@ def template_tools(tools: Sequence[pb.Tool], *, field: str = "chat.tools") -> li
     """
     out = []
     for i, tool in enumerate(tools):
-        if not tool.name:
-            raise InvalidArgument(f"{field}[{i}].name", "a tool needs a name")
         try:
             check_tool_name(tool.name)
         except ValueError as err:
@@ -309,8 +307,9 @@ class RequestPreparer:
           InvalidArgument: a bad prompt, sampling parameter or tool choice (the field is named).
         """
         kwargs = sampling_params_kwargs_from_proto(request.sampling_params)
+        kind = request.WhichOneof("prompt")
         tools = NO_TOOLS
-        if request.WhichOneof("prompt") == "chat":
+        if kind == "chat":
             tools = chat_tool_plan(request.chat, tool_parser)
             try:
                 tools.constrain(kwargs, other_constraint=(
@@ -320,7 +319,6 @@ class RequestPreparer:
                 raise InvalidArgument(f"chat.{request.chat.WhichOneof('tool_choice')}",
                                       str(err)) from None
         params = self.sampling_params(kwargs)
-        kind = request.WhichOneof("prompt")
         if kind == "text":
             validate_text(request.text)
             ids, field = self.encode_text(request.text), "text"

@@ -26,8 +26,8 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from jaxserve.api.tool_parsers import (JsonArrayToolParser, NamedToolCallStream, ToolCall,
-                                       ToolCallStream, ToolParser)
+from jaxserve.api.tool_parsers import (TOOL_NAME, JsonArrayToolParser, NamedToolCallStream,
+                                       ToolCall, ToolCallStream, ToolParser)
 
 NO_PARAMETERS: Mapping[str, Any] = {"type": "object", "properties": {}}
 """The schema of a function declared without ``parameters``."""
@@ -37,8 +37,8 @@ AUTO_NEEDS_FLAGS = ('"auto" tool choice (the default when tools are given) requi
                     'tool_choice "none", "required" or a named function instead')
 
 
-TOOL_NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
-"""A function's name: 1-64 of ``A-Z a-z 0-9 _ -`` (OpenAI's rule; both APIs check it)."""
+TOOL_NAME_PATTERN = f"^{TOOL_NAME}$"
+"""A whole function name (``tool_parsers.TOOL_NAME``; both APIs check it)."""
 
 TOOL_CHOICE_MODES = ("none", "auto", "required")
 """``tool_choice`` as a string; a function is named as ``{"name": ...}``."""

@@ -39,6 +39,9 @@ from typing import Any, ClassVar
 
 _DECODER = json.JSONDecoder()
 
+TOOL_NAME = r"[A-Za-z0-9_-]{1,64}"
+"""A function's name: 1-64 of ``A-Z a-z 0-9 _ -`` (OpenAI's rule)."""
+
 
 def new_tool_call_id() -> str:
     """A fresh tool call id, ``chatcmpl-tool-<32 hex digits>`` (vLLM's form)."""
@@ -244,14 +247,13 @@ class MistralToolParser(ToolParser):
     """``[TOOL_CALLS]`` followed by a JSON array of ``{"name", "arguments"}`` objects
     (Mistral's tokenizers before v11), or by ``name[ARGS]{arguments}``, the marker
     repeated before each call (v11 and later; mistral-common's format, which vLLM's
-    ``mistral`` parser also reads). A name is 1-64 of ``A-Z a-z 0-9 _ -``
-    (OpenAI's rule for function names)."""
+    ``mistral`` parser also reads). A name is a ``TOOL_NAME``."""
 
     name = "mistral"
     needs_special_tokens = True
     MARK = "[TOOL_CALLS]"
     ARGS = "[ARGS]"
-    _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+    _NAME = re.compile(TOOL_NAME)
 
     def _named_call(self, text: str, at: int, final: bool
                     ) -> tuple[ToolCall | None, int, str]:

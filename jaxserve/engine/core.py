@@ -219,7 +219,7 @@ class EngineCore:
             raise
 
     def _step_sync(self) -> list[EngineCoreOutput]:
-        planned = self._plan()
+        planned = self._with_masks(self._plan())
         if planned is None:
             return self._take_failed()
         scheduled, plan = planned
@@ -232,13 +232,13 @@ class EngineCore:
 
     def _step_async(self) -> list[EngineCoreOutput]:
         if self._in_flight is None:
-            self._in_flight = self._submit(self._plan())
+            self._in_flight = self._submit(self._with_masks(self._plan()))
             if self._in_flight is None:
                 return self._take_failed()
         current = self._in_flight
         placeholders = self._add_placeholders(current.scheduled)
         try:
-            planned = self._plan(masks=False)
+            planned = self._plan()
         finally:
             for req, cacheable in placeholders:
                 req.cacheable = cacheable
@@ -252,9 +252,9 @@ class EngineCore:
             self._in_flight = self._submit(self._with_masks(planned))
         return self._take_failed() + outputs
 
-    def _plan(self, masks: bool = True) -> tuple[ScheduledStep, StepPlan] | None:
-        """Schedules and builds the next step; ``masks`` False leaves its structured-output
-        masks for ``_with_masks`` (after the step in flight is applied)."""
+    def _plan(self) -> tuple[ScheduledStep, StepPlan] | None:
+        """Schedules and builds the next step, without its structured-output masks
+        (``_with_masks`` adds them, after the step in flight is applied if it must)."""
         t0 = time.process_time()
         scheduled = self.scheduler.schedule()
         self._failed.extend(scheduled.failed)
@@ -263,21 +263,23 @@ class EngineCore:
             return None
         sched = self.config.scheduler
         plan = build_plan(scheduled, self._next_step_id, sched.token_buckets,
-                          sched.request_buckets, self._token_bitmask(scheduled) if masks else None)
+                          sched.request_buckets)
         self._next_step_id += 1
         self.schedule_seconds += time.process_time() - t0
         return scheduled, plan
 
     def _with_masks(self, planned: tuple[ScheduledStep, StepPlan] | None
                     ) -> tuple[ScheduledStep, StepPlan] | None:
-        """``planned`` with its masks computed now (``_plan(masks=False)``'s plan)."""
-        if planned is None or not self._constrained(planned[0]):
-            return planned
+        """``planned`` (``_plan``'s) with its masks computed now, from the matchers as
+        they are; as it is when no sampling row is constrained."""
+        if planned is None:
+            return None
         t0 = time.process_time()
         scheduled, plan = planned
-        plan = dataclasses.replace(plan, token_bitmask=self._token_bitmask(scheduled))
+        mask = self._token_bitmask(scheduled)
         self.schedule_seconds += time.process_time() - t0
-        return scheduled, plan
+        return planned if mask is None else (
+            scheduled, dataclasses.replace(plan, token_bitmask=mask))
 
     @staticmethod
     def _constrained(scheduled: ScheduledStep) -> bool:

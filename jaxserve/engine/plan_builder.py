@@ -33,12 +33,11 @@ def pick_bucket(ladder: tuple[int, ...], n: int) -> int:
 
 
 def build_plan(step: ScheduledStep, step_id: int, token_buckets: tuple[int, ...],
-               request_buckets: tuple[int, ...],
-               token_bitmask: np.ndarray | None = None) -> StepPlan:
+               request_buckets: tuple[int, ...]) -> StepPlan:
     """The step plan of ``step``; marks the blocks it sends as known to the worker.
 
-    ``token_bitmask``: i32[s, W], the sampling rows' structured-output masks
-    (``StepPlan.token_bitmask``), or None.
+    Its ``token_bitmask`` is None: the engine adds the structured-output masks from
+    the matchers' state when it submits the plan (``EngineCore._with_masks``).
     """
     new_rows = []
     for req in step.new_reqs:
@@ -73,5 +72,4 @@ def build_plan(step: ScheduledStep, step_id: int, token_buckets: tuple[int, ...]
         num_tokens=np.array(step.num_tokens, _I32),
         sample=np.array(step.sample, np.bool_),
         num_tokens_bucket=pick_bucket(token_buckets, step.total_tokens),
-        num_reqs_bucket=pick_bucket(request_buckets, num_sampled) if num_sampled else 0,
-        token_bitmask=token_bitmask)
+        num_reqs_bucket=pick_bucket(request_buckets, num_sampled) if num_sampled else 0)

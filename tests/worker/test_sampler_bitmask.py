@@ -70,39 +70,33 @@ def _metadata(params, prompt, outputs, positions):
                                    vocab_size=VOCAB, positions=positions, max_num_logprobs=3)
 
 
-def test_masked_is_full_on_premasked_logits_bit_for_bit():
-    rng = np.random.default_rng(1)
-    rows = len(PARAMS)
-    logits = rng.normal(0, 2, (rows, VOCAB)).astype(np.float32)
-    allowed = _allowed(rng, rows)
-    md = _metadata(PARAMS, [[1, 2, 3]] * rows, [[4]] * rows, list(range(rows)))
-    for step in range(3):
-        key = jax.random.key(step)
-        got = jax.device_get(sample(logits, md, key, pack_bitmask(allowed), variant=MASKED,
-                                    num_candidates=KC))
-        want = jax.device_get(sample(np.where(allowed, logits, -np.inf).astype(np.float32), md,
-                                     key, variant=FULL, num_candidates=KC))
-        for field in ("token_ids", "logprob", "rank", "top_logprobs", "top_token_ids"):
-            np.testing.assert_array_equal(getattr(got, field), getattr(want, field), field)
-        assert allowed[np.arange(rows), got.token_ids].all()
+# The rows SAMPLED covers: greedy, plain temperature, top-k inside the candidates, min-p.
+SAMPLED_PARAMS = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0),
+                  SamplingParams(temperature=0.7, top_k=5),
+                  SamplingParams(temperature=1.3, min_p=0.2),
+                  SamplingParams(temperature=1.0)]  # the last unconstrained (all ones)
+ALL_FIELDS = ("token_ids", "logprob", "rank", "top_logprobs", "top_token_ids")
 
 
-def test_masked_sampled_is_sampled_on_premasked_logits_bit_for_bit():
-    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0),
-              SamplingParams(temperature=0.7, top_k=5), SamplingParams(temperature=1.3, min_p=0.2),
-              SamplingParams(temperature=1.0)]  # the last unconstrained (all ones)
-    rng = np.random.default_rng(3)
+@pytest.mark.parametrize("masked, plain, params, fields, seed", [
+    (MASKED, FULL, PARAMS, ALL_FIELDS, 1),
+    (MASKED_SAMPLED, SAMPLED, SAMPLED_PARAMS, ("token_ids",), 3),  # SAMPLED has no logprobs
+])
+def test_a_masked_variant_is_its_plain_one_on_premasked_logits_bit_for_bit(masked, plain, params,
+                                                                           fields, seed):
+    rng = np.random.default_rng(seed)
     rows = len(params)
     logits = rng.normal(0, 2, (rows, VOCAB)).astype(np.float32)
     allowed = _allowed(rng, rows)
     md = _metadata(params, [[1, 2, 3]] * rows, [[4]] * rows, list(range(rows)))
     for step in range(3):
         key = jax.random.key(step)
-        got = jax.device_get(sample(logits, md, key, pack_bitmask(allowed),
-                                    variant=MASKED_SAMPLED, num_candidates=KC))
+        got = jax.device_get(sample(logits, md, key, pack_bitmask(allowed), variant=masked,
+                                    num_candidates=KC))
         want = jax.device_get(sample(np.where(allowed, logits, -np.inf).astype(np.float32), md,
-                                     key, variant=SAMPLED, num_candidates=KC))
-        np.testing.assert_array_equal(got.token_ids, want.token_ids)
+                                     key, variant=plain, num_candidates=KC))
+        for field in fields:
+            np.testing.assert_array_equal(getattr(got, field), getattr(want, field), field)
         assert allowed[np.arange(rows), got.token_ids].all()
 
 
