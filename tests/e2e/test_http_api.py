@@ -1,10 +1,10 @@
 """The OpenAI-compatible HTTP API through the real server on the demo model, TLS and an API key.
 
-One server for the module (the engine configuration of test_server_generate,
-so the step executables come from the shared compilation cache), started
-with ``--api-key`` and a self-signed certificate made here; clients trust
-that certificate. The official ``openai`` client (sync and async) and raw
-``httpx`` talk to it.
+One server (``api_server``, tests/e2e/conftest.py, shared with the tool-calling
+tests of test_http_tools; the engine configuration of test_server_generate, so
+the step executables come from the shared compilation cache), started with
+``--api-key`` and a self-signed certificate; clients trust that certificate.
+The official ``openai`` client (sync and async) and raw ``httpx`` talk to it.
 
 - Completions and chat completions, streamed and not: greedy streamed deltas
   concatenate to the non-streamed text; the tokens (``return_tokens_as_token_ids``)
@@ -17,16 +17,6 @@ that certificate. The official ``openai`` client (sync and async) and raw
   (``response_format`` json_schema / json_object, vLLM's ``structured_outputs``
   choice / regex) follow their constraint; the OpenAI client's ``parse`` helper
   gets its pydantic model back.
-- Tool calling (the server runs ``--enable-auto-tool-choice --tool-call-parser
-  hermes``): ``tool_choice`` required and named return ``tool_calls`` whose
-  arguments validate against the tool's parameters (``jsonschema``), whole
-  and as streamed ``delta.tool_calls``; the calls and a tool result go back
-  into the chat (HTTP and gRPC render it alike); ``auto`` without a call
-  (the demo model writes none) returns the text, and a call it is made to write (by a
-  regex) comes back as ``tool_calls``. Over gRPC (``Chat.tool_choice_*``)
-  the same forced calls arrive in ``tool_calls`` with finish reason
-  ``tool_calls``, whole and on the last streamed delta; a choice naming no
-  tool is INVALID_ARGUMENT naming ``chat.tool_choice_function``.
 - Both transports refuse calls without the key (401 / ``UNAUTHENTICATED``);
   health stays open.
 - A table of bad requests (a schema or regex that does not compile among
@@ -39,12 +29,8 @@ that certificate. The official ``openai`` client (sync and async) and raw
 from __future__ import annotations
 
 import asyncio
-import datetime
-import ipaddress
 import json
-import pathlib
 import re
-import ssl
 
 import grpc
 import httpx
@@ -54,80 +40,10 @@ import pydantic
 import pytest
 
 from jaxserve.client import Client, JaxServeError
-from jaxserve.procutil import free_port
-from tests.e2e.helpers import serve, wait_all_blocks_free
+from tests.e2e.helpers import wait_all_blocks_free
+from tests.e2e.http_server import API_KEY, CHAT, ENGINE, MODEL, PROMPT, TOOLS
 
 pytestmark = pytest.mark.slow
-
-ENGINE = dict(max_num_seqs=64, max_num_batched_tokens=256, num_kv_blocks=512,
-              max_model_len=1024)
-API_KEY = "test-key-1234"
-MODEL = "smol"
-PROMPT = "The history of the printing press"
-CHAT = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-def _self_signed(folder: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
-    """A certificate for localhost / 127.0.0.1 and its key (PEM files)."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
-            .public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(hours=1))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([
-                x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-                critical=False)
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-            .sign(key, hashes.SHA256()))
-    cert_path, key_path = folder / "cert.pem", folder / "key.pem"
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM,
-                                           serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
-    return cert_path, key_path
-
-
-@pytest.fixture(scope="module")
-def server(demo_model_dir, tmp_path_factory):
-    cert, key = _self_signed(tmp_path_factory.mktemp("tls"))
-    flags = tuple(x for k, v in ENGINE.items() for x in ("--" + k.replace("_", "-"), str(v)))
-    with serve(demo_model_dir, flags, http_port=free_port(), served_model_name=MODEL,
-               api_key=API_KEY, ssl_certfile=str(cert), ssl_keyfile=str(key),
-               tool_call_parser="hermes") as launcher:
-        launcher.cert = cert
-        launcher.tls = ssl.create_default_context(cafile=str(cert))
-        launcher.base_url = f"https://localhost:{launcher.options.http_port}"
-        yield launcher
-
-
-@pytest.fixture(scope="module")
-def grpc_client(server):
-    address = f"localhost:{server.options.port}"
-    with Client(address, timeout=300, api_key=API_KEY,
-                root_certificates=server.cert.read_bytes()) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.base_url, verify=server.tls, timeout=300,
-                      headers={"Authorization": f"Bearer {API_KEY}"}) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def oai(server):
-    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key=API_KEY,
-                           http_client=httpx.Client(verify=server.tls, timeout=300))
-    yield client
-    client.close()
 
 
 def _token_ids(entries) -> list[int]:
@@ -135,8 +51,8 @@ def _token_ids(entries) -> list[int]:
 
 
 # ------------------------------------------------------------ the happy path
-def test_models_health_tokenize_detokenize(server, http):
-    assert httpx.get(server.base_url + "/health", verify=server.tls).status_code == 200
+def test_models_health_tokenize_detokenize(api_server, http):
+    assert httpx.get(api_server.base_url + "/health", verify=api_server.tls).status_code == 200
     models = http.get("/v1/models").json()
     assert [m["id"] for m in models["data"]] == [MODEL]
     assert http.get(f"/v1/models/{MODEL}").json() == models["data"][0]
@@ -320,169 +236,23 @@ def test_the_openai_clients_parse_helper_gets_its_pydantic_model(oai):
         assert choice.message.parsed == City.model_validate_json(choice.message.content)
 
 
-# ------------------------------------------------------------ tool calling
-TOOLS = [
-    {"type": "function", "function": {
-        "name": "get_weather", "description": "The current weather in a city",
-        "parameters": {"type": "object", "properties": {
-            "city": {"type": "string", "maxLength": 20},
-            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-            "required": ["city", "unit"], "additionalProperties": False}}},
-    {"type": "function", "function": {
-        "name": "get_time", "description": "The local time in a time zone",
-        "parameters": {"type": "object", "properties": {
-            "timezone": {"type": "string", "maxLength": 20}},
-            "required": ["timezone"], "additionalProperties": False}}},
-]
-PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
-TOOL_CHAT = [{"role": "user", "content": "What is the weather in Paris right now?"}]
-
-
-def _streamed_calls(stream) -> tuple[str, list[tuple[str, str, str]], str | None]:
-    """(content, [(id, name, arguments)], finish reason) rebuilt from a chat stream's deltas."""
-    content, calls, reason = "", {}, None
-    for chunk in stream:
-        (choice,) = chunk.choices
-        delta = choice.delta
-        content += delta.content or ""
-        for part in delta.tool_calls or ():
-            if part.id is not None:  # the call's header comes first, with an empty arguments
-                assert part.index == len(calls) and part.type == "function"
-                calls[part.index] = [part.id, part.function.name, part.function.arguments]
-            else:
-                assert part.function.name is None
-                calls[part.index][2] += part.function.arguments
-        reason = choice.finish_reason or reason
-    return content, [tuple(c) for _, c in sorted(calls.items())], reason
-
-
-@pytest.mark.parametrize("tool_choice", ["required",
-                                         {"type": "function", "function": {"name": "get_time"}}])
-def test_forced_tool_calls_follow_the_tools_schemas(oai, tool_choice):
-    """tool_choice required / named: structured outputs force calls whose arguments validate
-    against the function's parameters; streamed, the same calls arrive as delta.tool_calls."""
-    args = dict(model=MODEL, messages=TOOL_CHAT, tools=TOOLS, tool_choice=tool_choice,
-                max_tokens=96, temperature=0)
-    whole = oai.chat.completions.create(**args)
-    (choice,) = whole.choices
-    assert choice.finish_reason == "tool_calls" and not choice.message.content
-    calls = choice.message.tool_calls
-    assert calls
-    for call in calls:
-        assert re.fullmatch("chatcmpl-tool-[0-9a-f]{32}", call.id) and call.type == "function"
-        jsonschema.validate(json.loads(call.function.arguments), PARAMETERS[call.function.name])
-    if isinstance(tool_choice, dict):
-        assert [c.function.name for c in calls] == ["get_time"]
-    content, streamed, reason = _streamed_calls(oai.chat.completions.create(**args, stream=True))
-    assert content == "" and reason == "tool_calls"
-    assert [(name, arguments) for _, name, arguments in streamed] == [
-        (c.function.name, c.function.arguments) for c in calls]  # greedy: the same calls
-    assert all(re.fullmatch("chatcmpl-tool-[0-9a-f]{32}", i) for i, _, _ in streamed)
-
-
-def test_tool_results_go_back_into_the_chat(oai, grpc_client):
-    """The assistant's calls (the reply's message, as the client sends it back) and a tool
-    message with the result make the next prompt; tool_choice none: a plain reply."""
-    first = oai.chat.completions.create(model=MODEL, messages=TOOL_CHAT, tools=TOOLS,
-                                        tool_choice="required", max_tokens=96, temperature=0)
-    message = first.choices[0].message
-    messages = [*TOOL_CHAT, message, *[
-        {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 21 degrees."}
-        for call in message.tool_calls]]
-    reply = oai.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS,
-                                        tool_choice="none", max_tokens=16, temperature=0)
-    (choice,) = reply.choices
-    assert choice.message.content and choice.message.tool_calls is None
-    assert choice.finish_reason in ("stop", "length")
-    assert reply.usage.prompt_tokens > first.usage.prompt_tokens
-    # gRPC: the same chat and tools render the same prompt (greedy: the same reply)
-    as_dicts = [*TOOL_CHAT, message.model_dump(include={"role", "content", "tool_calls"}),
-                *messages[len(TOOL_CHAT) + 1:]]
-    via_grpc = grpc_client.chat(as_dicts, tools=TOOLS, tool_choice="none", max_tokens=16,
-                                temperature=0)
-    assert via_grpc.text == choice.message.content
-
-
-@pytest.mark.parametrize("tool_choice", ["required",
-                                         {"type": "function", "function": {"name": "get_time"}}])
-def test_grpc_tool_choice_returns_the_same_calls(oai, grpc_client, tool_choice):
-    """gRPC's Chat.tool_choice_*: the calls HTTP returns (greedy: the same), in
-    ``tool_calls`` with fresh ids, whole and on the last streamed delta only."""
-    args = dict(tools=TOOLS, tool_choice=tool_choice, max_tokens=96, temperature=0)
-    http_calls = oai.chat.completions.create(model=MODEL, messages=TOOL_CHAT,
-                                             **args).choices[0].message.tool_calls
-    whole = grpc_client.chat(TOOL_CHAT, **args)
-    assert whole.finish_reason == "tool_calls"
-    assert [(c.name, c.arguments) for c in whole.tool_calls] == [
-        (c.function.name, c.function.arguments) for c in http_calls]
-    for call in whole.tool_calls:
-        assert re.fullmatch("chatcmpl-tool-[0-9a-f]{32}", call.id)
-        jsonschema.validate(json.loads(call.arguments), PARAMETERS[call.name])
-    *deltas, last = grpc_client.stream(messages=TOOL_CHAT, **args)
-    assert not any(d.tool_calls for d in deltas) and last.finish_reason == "tool_calls"
-    assert "".join(d.text for d in (*deltas, last)) == whole.text
-    assert [(c.name, c.arguments) for c in last.tool_calls] == [
-        (c.name, c.arguments) for c in whole.tool_calls]
-
-
-def test_auto_tool_choice_reads_a_call_the_model_writes(oai, grpc_client):
-    """auto (hermes): a reply holding a call — forced here by a regex, as the demo model
-    writes none — comes back as tool_calls with finish reason tool_calls, whole and
-    streamed, over HTTP and gRPC."""
-    want = [("get_time", {"timezone": "UTC"})]
-    regex = r'<tool_call>\{"name":"get_time","arguments":\{"timezone":"UTC"\}\}</tool_call>'
-    args = dict(model=MODEL, messages=TOOL_CHAT, tools=TOOLS, tool_choice="auto",
-                max_tokens=128, temperature=0,
-                extra_body={"structured_outputs": {"regex": regex}})
-    (choice,) = oai.chat.completions.create(**args).choices
-    assert choice.finish_reason == "tool_calls" and choice.message.content is None
-    assert [(c.function.name, json.loads(c.function.arguments))
-            for c in choice.message.tool_calls] == want
-    content, streamed, reason = _streamed_calls(oai.chat.completions.create(**args, stream=True))
-    assert content == "" and reason == "tool_calls"
-    assert [(name, json.loads(arguments)) for _, name, arguments in streamed] == want
-    via_grpc = grpc_client.chat(TOOL_CHAT, tools=TOOLS, tool_choice="auto", max_tokens=128,
-                                temperature=0, structured_outputs={"regex": regex})
-    assert via_grpc.finish_reason == "tool_calls"
-    assert [(c.name, json.loads(c.arguments)) for c in via_grpc.tool_calls] == want
-
-
-def test_grpc_tool_choice_naming_no_tool_is_refused(grpc_client):
-    with pytest.raises(JaxServeError) as err:
-        grpc_client.chat(TOOL_CHAT, tools=TOOLS, tool_choice="get_stock_price", max_tokens=4)
-    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
-    assert err.value.message.startswith("chat.tool_choice_function: names the function "
-                                        "'get_stock_price'")
-
-
-def test_auto_tool_choice_without_a_call_is_content(oai):
-    """--enable-auto-tool-choice --tool-call-parser hermes: the demo model writes no
-    <tool_call>, so the reply is its text, whole and streamed alike."""
-    args = dict(model=MODEL, messages=CHAT, tools=TOOLS, max_tokens=16, temperature=0)
-    whole = oai.chat.completions.create(**args)  # tool_choice left out: auto
-    (choice,) = whole.choices
-    assert "<tool_call>" not in choice.message.content and choice.message.tool_calls is None
-    assert choice.finish_reason in ("stop", "length")
-    content, calls, reason = _streamed_calls(oai.chat.completions.create(
-        **args, tool_choice="auto", stream=True))
-    assert (content, calls, reason) == (choice.message.content, [], choice.finish_reason)
 
 
 # ---------------------------------------------------------------- security
-def test_api_key_is_required_on_both_transports(server, grpc_client):
+def test_api_key_is_required_on_both_transports(api_server, grpc_client):
     for headers in ({}, {"Authorization": "Bearer wrong"}):
-        reply = httpx.post(server.base_url + "/v1/completions", verify=server.tls,
+        reply = httpx.post(api_server.base_url + "/v1/completions", verify=api_server.tls,
                            headers=headers, json={"prompt": "x", "max_tokens": 1})
         assert reply.status_code == 401
         assert reply.json()["error"]["type"] == "authentication_error"
-    address = f"localhost:{server.options.port}"
-    with Client(address, timeout=60, root_certificates=server.cert.read_bytes()) as keyless:
+    address = f"localhost:{api_server.options.port}"
+    with Client(address, timeout=60, root_certificates=api_server.cert.read_bytes()) as keyless:
         assert keyless.health("jaxserve.GenerateService") == "SERVING"  # health stays open
         with pytest.raises(JaxServeError) as err:
             keyless.generate("x", max_tokens=1)
         assert err.value.code == grpc.StatusCode.UNAUTHENTICATED
     with Client(address, timeout=60, api_key="wrong",
-                root_certificates=server.cert.read_bytes()) as wrong:
+                root_certificates=api_server.cert.read_bytes()) as wrong:
         with pytest.raises(JaxServeError) as err:
             wrong.generate("x", max_tokens=1)
         assert err.value.code == grpc.StatusCode.UNAUTHENTICATED
@@ -577,7 +347,7 @@ def test_still_serving_after_bad_requests_and_no_block_leaked(oai, grpc_client):
 
 
 # ------------------------------------------------------------- concurrency
-def test_64_concurrent_streams_finish(server):
+def test_64_concurrent_streams_finish(api_server):
     async def one(client: openai.AsyncOpenAI, i: int) -> tuple[str, str | None]:
         stream = await client.completions.create(model=MODEL, prompt=f"{i} plus {i} is",
                                                  max_tokens=8, temperature=0, stream=True)
@@ -589,8 +359,8 @@ def test_64_concurrent_streams_finish(server):
 
     async def run() -> list[tuple[str, str | None]]:
         async with openai.AsyncOpenAI(
-                base_url=server.base_url + "/v1", api_key=API_KEY, max_retries=0,
-                http_client=httpx.AsyncClient(verify=server.tls, timeout=300,
+                base_url=api_server.base_url + "/v1", api_key=API_KEY, max_retries=0,
+                http_client=httpx.AsyncClient(verify=api_server.tls, timeout=300,
                                               limits=httpx.Limits(max_connections=64))) as client:
             return await asyncio.gather(*(one(client, i) for i in range(64)))
 
@@ -599,7 +369,7 @@ def test_64_concurrent_streams_finish(server):
     assert all(reason in ("length", "stop") and text for text, reason in results)
 
 
-def test_disconnected_clients_free_their_blocks(server, grpc_client):
+def test_disconnected_clients_free_their_blocks(api_server, grpc_client):
     async def leave_mid_stream(client: httpx.AsyncClient, i: int) -> int:
         body = {"prompt": f"Story number {i}:", "max_tokens": 400, "temperature": 0,
                 "ignore_eos": True, "stream": True}
@@ -621,7 +391,7 @@ def test_disconnected_clients_free_their_blocks(server, grpc_client):
             await client.post("/v1/completions", json=body, timeout=3.0)
 
     async def run() -> list[int]:
-        async with httpx.AsyncClient(base_url=server.base_url, verify=server.tls,
+        async with httpx.AsyncClient(base_url=api_server.base_url, verify=api_server.tls,
                                      timeout=300,
                                      headers={"Authorization": f"Bearer {API_KEY}"}) as client:
             streamed = asyncio.gather(*(leave_mid_stream(client, i) for i in range(20)))
