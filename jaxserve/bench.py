@@ -13,7 +13,7 @@ import importlib
 # Kept in step with benchmarks.BENCHMARKS (a test checks); listed here so that
 # ``jaxserve --help`` does not import the benchmarks package.
 NAMES = ("offline_throughput", "serving", "step_profile", "decode_roofline", "cpu_side_by_side",
-         "structured_outputs")
+         "structured_outputs", "speculative")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

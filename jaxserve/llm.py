@@ -34,7 +34,7 @@ from jaxserve.api.incremental_output import IncrementalOutput
 from jaxserve.api.prompts import template_messages
 from jaxserve.engine import (CacheConfig, EngineConfig, EngineCore, EngineCoreOutput,
                              EngineCoreRequest, EngineStats, SchedulerConfig)
-from jaxserve.engine.config import CompileConfig
+from jaxserve.engine.config import CompileConfig, SpeculativeConfig
 from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput, finite_logprob
 from jaxserve.sampling_params import SamplingParams
 
@@ -85,6 +85,9 @@ class LLM:
       quantization: None, "int8" or "int4" (vLLM's argument): weight quantized at load
         time — int8 with a float32 scale per output channel, or int4 with a float32
         scale per group of 32 inputs (one device only) (docs/model.md).
+      speculative_config: speculative decoding (vLLM's argument): a dict such as
+        ``{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}``
+        or a ``SpeculativeConfig``; None = off (docs/speculative_decoding.md).
       compilation_cache_dir: JAX's persistent compilation cache directory;
         None = JAX's setting (``JAX_COMPILATION_CACHE_DIR`` or
         ``jax.config``) when there is one, else ``$JAXSERVE_CACHE/jax_cache``
@@ -119,7 +122,9 @@ class LLM:
                  attention_backend: str | None = None, seed: int = 0,
                  async_scheduling: bool = True, scan_layers: bool = False,
                  tensor_parallel_size: int = 1, load_format: str = "auto",
-                 quantization: str | None = None, compilation_cache_dir: str | None = None,
+                 quantization: str | None = None,
+                 speculative_config: dict | SpeculativeConfig | None = None,
+                 compilation_cache_dir: str | None = None,
                  strict_recompile: bool = False, generation_config: str = "auto",
                  worker: Any = None):
         from jaxserve.demo_model import resolve_model_path
@@ -145,6 +150,8 @@ class LLM:
             scan_layers=scan_layers, tensor_parallel_size=tensor_parallel_size,
             load_format=load_format, quantization=quantization,
             tokenizer=str(tokenizer or path),
+            speculative_config=(SpeculativeConfig.from_dict(speculative_config)
+                                if isinstance(speculative_config, dict) else speculative_config),
             compile=CompileConfig(cache_dir=compilation_cache_dir,
                                   strict_recompile=strict_recompile))
         if worker is None or worker == "in_process":

@@ -25,6 +25,9 @@ weigh each replica by its blocks, which are equal when the replicas are):
 | ``jaxserve_requests_rejected_total`` | counter | requests refused, by gRPC ``code`` |
 | ``jaxserve_recompiles_after_warmup_total`` † | counter | worker compiles after start-up warm-up (0 when healthy) |
 | ``jaxserve_worker_restarts_total`` † | counter | worker processes the engine started to replace a dead or hung one |
+| ``jaxserve_spec_decode_num_drafts_total`` † | counter | sequences whose draft tokens a step verified (speculative decoding) |
+| ``jaxserve_spec_decode_num_draft_tokens_total`` † | counter | draft tokens verified |
+| ``jaxserve_spec_decode_num_accepted_tokens_total`` † | counter | draft tokens accepted (acceptance rate = accepted / draft tokens; mean accepted length = 1 + accepted / drafts) |
 
 The † metrics read each engine's latest ``EngineStats`` (refreshed by the api
 process about once a second) when Prometheus scrapes; a replica has none
@@ -65,6 +68,12 @@ _ENGINE_METRICS: tuple[tuple[str, type, str, Callable[[EngineStats], float]], ..
     ("jaxserve_worker_restarts", CounterMetricFamily,
      "Worker processes started to replace a dead or hung one.",
      lambda s: s.num_worker_restarts),
+    ("jaxserve_spec_decode_num_drafts", CounterMetricFamily,
+     "Sequences whose draft tokens a step verified.", lambda s: s.spec_decode_num_drafts),
+    ("jaxserve_spec_decode_num_draft_tokens", CounterMetricFamily, "Draft tokens verified.",
+     lambda s: s.spec_decode_num_draft_tokens),
+    ("jaxserve_spec_decode_num_accepted_tokens", CounterMetricFamily, "Draft tokens accepted.",
+     lambda s: s.spec_decode_num_accepted_tokens),
 )
 
 

@@ -129,7 +129,10 @@ def plan_to_proto(plan: StepPlan) -> wpb.StepPlan:
         num_tokens_bucket=plan.num_tokens_bucket,
         num_reqs_bucket=plan.num_reqs_bucket,
         token_bitmask=b"" if mask is None else _to_bytes(mask, _I32),
-        token_bitmask_words=0 if mask is None else mask.shape[1])
+        token_bitmask_words=0 if mask is None else mask.shape[1],
+        **({} if plan.num_draft is None else dict(
+            has_drafts=True, num_draft=_to_bytes(plan.num_draft, _I32),
+            draft_token_ids=_to_bytes(plan.draft_token_ids, _I32))))
 
 
 def plan_from_proto(msg: wpb.StepPlan) -> StepPlan:
@@ -154,13 +157,18 @@ def plan_from_proto(msg: wpb.StepPlan) -> StepPlan:
         num_reqs_bucket=msg.num_reqs_bucket,
         token_bitmask=_from_bytes("token_bitmask", msg.token_bitmask, _I32,
                                   msg.token_bitmask_words)
-        if msg.token_bitmask_words else None)
+        if msg.token_bitmask_words else None,
+        num_draft=_i32("num_draft", msg.num_draft) if msg.has_drafts else None,
+        draft_token_ids=_i32("draft_token_ids", msg.draft_token_ids) if msg.has_drafts else None)
 
 
 def result_to_proto(result: StepResult) -> wpb.StepResult:
     msg = wpb.StepResult(step_id=result.step_id, token_ids=_to_bytes(result.token_ids, _I32),
                          execute_seconds=result.execute_seconds,
                          device_seconds=result.device_seconds)
+    if result.num_accepted is not None:
+        msg.has_num_accepted = True
+        msg.num_accepted = _to_bytes(result.num_accepted, _I32)
     if result.logprob is not None:
         msg.has_logprobs = True
         msg.logprob = _to_bytes(result.logprob, _F32)
@@ -200,15 +208,17 @@ def result_from_proto(msg: wpb.StepResult) -> StepResult:
     token_ids = _i32("token_ids", msg.token_ids)
     prompt = (_prompt_from_proto(msg.prompt_logprobs) if msg.HasField("prompt_logprobs")
               else None)
+    accepted = _i32("num_accepted", msg.num_accepted) if msg.has_num_accepted else None
     if not msg.has_logprobs:
-        return StepResult(msg.step_id, token_ids, prompt_logprobs=prompt,
+        return StepResult(msg.step_id, token_ids, prompt_logprobs=prompt, num_accepted=accepted,
                           execute_seconds=msg.execute_seconds, device_seconds=msg.device_seconds)
     width = msg.num_top_logprobs
     return StepResult(msg.step_id, token_ids, _from_bytes("logprob", msg.logprob, _F32),
                       _i32("rank", msg.rank),
                       _top("top_token_ids", msg.top_token_ids, _I32, width, len(token_ids)),
                       _top("top_logprobs", msg.top_logprobs, _F32, width, len(token_ids)),
-                      prompt_logprobs=prompt, execute_seconds=msg.execute_seconds,
+                      prompt_logprobs=prompt, num_accepted=accepted,
+                      execute_seconds=msg.execute_seconds,
                       device_seconds=msg.device_seconds)
 
 

@@ -18,6 +18,11 @@ statistics. A ``StepPlan`` carries only
 - the **schedule**: the rows that run this step in token order, the tokens
   already in the cache for each (``num_computed``), how many query tokens
   each runs, and which rows sample a token afterwards;
+- **draft tokens** (speculative decoding, docs/speculative_decoding.md): a
+  sampling row may end its query with ``num_draft`` proposed tokens, which
+  the step verifies: the row samples after each of its last
+  ``1 + num_draft`` query tokens (its *slots*) and keeps the longest prefix
+  of drafts its samples agree with, plus the sample after that prefix;
 - the **bucket** ``(T, R)`` the worker pads the step to.
 
 So a decode step's plan is O(rows), never O(rows × blocks). A row's input
@@ -28,9 +33,9 @@ the engine can plan step N + 1 before step N returns.
 Preemption is a freed row; the sequence comes back later as a ``NewRow``
 holding its prompt plus every token generated so far.
 
-Shape legend (docs/legend.md): n scheduled rows, s = number of rows that
-sample (``sample.sum()``), F freed rows, A appended blocks, P a row's known
-tokens, NL top logprobs per token.
+Shape legend (docs/legend.md): n scheduled rows, s = number of sampling
+slots (``sample.sum()`` plus the drafts), F freed rows, A appended blocks, P a
+row's known tokens, NL top logprobs per token, D the plan's draft tokens.
 """
 
 from __future__ import annotations
@@ -177,15 +182,19 @@ class StepPlan:
       num_computed: i32[n] tokens of each row already in the KV cache; the
         row's query tokens are its token ids at positions
         ``num_computed .. num_computed + num_tokens - 1``.
-      num_tokens: i32[n] query tokens of each row, >= 1.
+      num_tokens: i32[n] query tokens of each row, >= 1, its drafts included.
       sample: bool[n] whether the row samples the token after its last one.
       num_tokens_bucket: T >= num_tokens.sum(), on the T ladder.
-      num_reqs_bucket: R >= sample.sum(), on the R ladder; 0 when no row
-        samples (the logits and sampler are skipped).
+      num_reqs_bucket: R >= s (the sampling slots), on the R ladder; 0 when
+        no row samples (the logits and sampler are skipped).
       token_bitmask: i32[s, W] (W = ceil(V / 32)), the allowed tokens of each
-        sampling row in plan order (structured outputs; bit t % 32 of word
+        sampling slot in plan order (structured outputs; bit t % 32 of word
         t // 32; an unconstrained row is all ones), or None when no sampling
         row is constrained. The worker then runs a masked sampler variant.
+      num_draft: i32[n] draft tokens ending each row's query (0 for a row
+        that does not sample), or None when the plan has none.
+      draft_token_ids: i32[D] those drafts, in plan order (None with
+        ``num_draft``). A draft is a query token the worker did not know.
     """
 
     step_id: int
@@ -200,6 +209,8 @@ class StepPlan:
     num_tokens_bucket: int
     num_reqs_bucket: int
     token_bitmask: np.ndarray | None = None  # [s, W] i32
+    num_draft: np.ndarray | None = None  # [n] i32
+    draft_token_ids: np.ndarray | None = None  # [D] i32
 
     def __post_init__(self) -> None:
         for name in ("freed_rows", "append_rows", "append_block_ids", "rows", "num_computed",
@@ -212,11 +223,21 @@ class StepPlan:
             raise ValueError("append_rows and append_block_ids differ in length")
         if self.sample.dtype != np.bool_:
             raise ValueError(f"sample must be bool, got {self.sample.dtype}")
+        if (self.num_draft is None) != (self.draft_token_ids is None):
+            raise ValueError("num_draft and draft_token_ids come together")
+        if self.num_draft is not None:
+            _i32("num_draft", self.num_draft)
+            _i32("draft_token_ids", self.draft_token_ids)
+            d = self.num_draft
+            if (len(d) != n or (d < 0).any() or (d[~self.sample] != 0).any()
+                    or (d >= self.num_tokens).any() or d.sum() != len(self.draft_token_ids)):
+                raise ValueError(f"num_draft {d.tolist()} does not fit the sampling rows' "
+                                 f"num_tokens or the {len(self.draft_token_ids)} drafts")
         if self.token_bitmask is not None:
             _i32("token_bitmask", self.token_bitmask, ndim=2)
-            if len(self.token_bitmask) != int(self.sample.sum()):
+            if len(self.token_bitmask) != self.num_sampled:
                 raise ValueError(f"token_bitmask has {len(self.token_bitmask)} rows for "
-                                 f"{int(self.sample.sum())} sampling rows")
+                                 f"{self.num_sampled} sampling slots")
 
     @property
     def total_tokens(self) -> int:
@@ -225,8 +246,13 @@ class StepPlan:
 
     @property
     def num_sampled(self) -> int:
-        """s, the rows that sample."""
-        return int(self.sample.sum())
+        """s, the sampling slots: one per sampling row, plus one per draft."""
+        return int(self.sample.sum()) + (0 if self.num_draft is None else int(self.num_draft.sum()))
+
+    def slots_per_row(self) -> np.ndarray:
+        """i32[n] each row's sampling slots: 1 + its drafts if it samples, else 0."""
+        drafts = 0 if self.num_draft is None else self.num_draft
+        return (self.sample * (1 + drafts)).astype(_I32)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -258,20 +284,25 @@ class PromptLogprobs:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class StepResult:
-    """The worker's answer to a ``StepPlan``: one entry per sampling row.
+    """The worker's answer to a ``StepPlan``: one entry per sampling slot.
 
-    Entries follow the plan's rows with ``sample`` set, in plan order.
+    Entries follow the plan's rows with ``sample`` set, in plan order, a row
+    with drafts taking ``1 + num_draft`` consecutive entries (its slots).
     The logprob arrays are None when no sampling row asked for logprobs.
 
     Attributes:
       step_id: the plan's step id.
-      token_ids: i32[s] sampled tokens.
+      token_ids: i32[s] sampled tokens. A row's output is its first
+        ``1 + num_accepted`` slots' tokens: the drafts it accepted (each
+        equal to the draft), then the token sampled after them.
       logprob: f32[s] the sampled token's logprob (NaN where not asked).
       rank: i32[s] its rank, 1 = most likely (-1 where not asked).
       top_token_ids: i32[s, NL] top-N ids, -1 past a row's N.
       top_logprobs: f32[s, NL] their logprobs, descending.
       prompt_logprobs: what the step's prompt-logprob rows scored, or None
         when no row of the plan asked for prompt logprobs.
+      num_accepted: i32[sampling rows] the drafts each sampling row accepted,
+        or None when the plan had no drafts.
       execute_seconds: the worker's time for the plan: its host work up to
         the dispatch (diffs, validation, the packed buffer and its upload)
         plus ``device_seconds``, seconds; 0 when not measured.
@@ -289,6 +320,7 @@ class StepResult:
     top_token_ids: np.ndarray | None = None  # [s, NL] i32
     top_logprobs: np.ndarray | None = None  # [s, NL] f32
     prompt_logprobs: PromptLogprobs | None = None
+    num_accepted: np.ndarray | None = None  # [sampling rows] i32
     execute_seconds: float = 0.0
     device_seconds: float = 0.0
 

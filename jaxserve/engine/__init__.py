@@ -3,10 +3,11 @@
 See docs/engine.md. Entry point: ``EngineCore(EngineConfig(...), worker)``.
 """
 
-from jaxserve.engine.config import CacheConfig, CompileConfig, EngineConfig, SchedulerConfig
+from jaxserve.engine.config import (CacheConfig, CompileConfig, EngineConfig, SchedulerConfig,
+                                    SpeculativeConfig)
 from jaxserve.engine.core import EngineCore
 from jaxserve.engine.messages import (EngineCoreOutput, EngineCoreRequest, EngineStats,
                                       SampleLogprobs)
 
 __all__ = ["CacheConfig", "CompileConfig", "EngineConfig", "EngineCore", "EngineCoreOutput", "EngineCoreRequest",
-           "EngineStats", "SampleLogprobs", "SchedulerConfig"]
+           "EngineStats", "SampleLogprobs", "SchedulerConfig", "SpeculativeConfig"]

@@ -151,6 +151,69 @@ class CompileConfig:
     cache_dir: str | None = None
 
 
+# The methods of ``SpeculativeConfig`` (vLLM's ``speculative_config["method"]``).
+SPECULATIVE_METHODS = ("ngram",)
+# vLLM's defaults for ngram when neither prompt_lookup bound is given.
+DEFAULT_PROMPT_LOOKUP = 5
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's ``--speculative-config``; docs/speculative_decoding.md).
+
+    Attributes:
+      method: "ngram" (prompt lookup: ``jaxserve.engine.ngram_proposer``).
+      num_speculative_tokens: k >= 1, the most draft tokens a sequence carries
+        into one step.
+      prompt_lookup_max / prompt_lookup_min: the longest / shortest suffix
+        n-gram looked up, in tokens; as vLLM, one given alone sets both, and
+        neither gives 5.
+
+    Raises:
+      ValueError: an unknown method (naming the supported ones), k < 1, or
+        bounds outside 1 <= min <= max.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config method must be one of "
+                             f"{', '.join(SPECULATIVE_METHODS)}, got {self.method!r}")
+        if self.num_speculative_tokens < 1:
+            raise ValueError(f"speculative_config num_speculative_tokens must be >= 1, got "
+                             f"{self.num_speculative_tokens}")
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        if low is None and high is None:
+            low = high = DEFAULT_PROMPT_LOOKUP
+        elif low is None:
+            low = high
+        elif high is None:
+            high = low
+        if not 1 <= low <= high:
+            raise ValueError(f"speculative_config needs 1 <= prompt_lookup_min <= "
+                             f"prompt_lookup_max, got {low} and {high}")
+        object.__setattr__(self, "prompt_lookup_min", int(low))
+        object.__setattr__(self, "prompt_lookup_max", int(high))
+
+    @classmethod
+    def from_dict(cls, config: dict) -> SpeculativeConfig:
+        """From vLLM's ``speculative_config`` dict (the JSON of ``--speculative-config``).
+
+        Raises:
+          ValueError: a key this engine does not know (naming it), or a bad value.
+        """
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(config) - fields)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)}; "
+                             f"known: {', '.join(sorted(fields))}")
+        return cls(**config)
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class EngineConfig:
     """Everything the engine core needs.
@@ -176,6 +239,9 @@ class EngineConfig:
       quantization: None (the checkpoint's weights), "int8" or "int4" (vLLM's flag:
         weight-only int8 / group-wise int4 quantized at load time,
         ``WorkerInit.quantization``; int4 only with ``tensor_parallel_size`` 1).
+      speculative_config: speculative decoding, or None (off). With it the
+        engine schedules synchronously (a step's drafts need the tokens of the
+        step before).
       eos_token_ids: filled from the worker's geometry by ``resolved``.
     """
 
@@ -194,6 +260,7 @@ class EngineConfig:
     quantization: str | None = None
     eos_token_ids: tuple[int, ...] = ()
     tokenizer: str | None = None
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:

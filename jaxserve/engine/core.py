@@ -131,7 +131,8 @@ class EngineCore:
         self.scheduler = Scheduler(self.config)
         self.grammars = GrammarCompiler(self.config.tokenizer or self.config.model,
                                         self.geometry.vocab_size, self.geometry.eos_token_ids)
-        self.async_scheduling = config.async_scheduling
+        # A step's drafts are proposed from the tokens of the step before: no planning ahead.
+        self.async_scheduling = config.async_scheduling and config.speculative_config is None
         self.num_steps = 0
         self.schedule_seconds = 0.0
         self.worker_seconds = 0.0
@@ -366,6 +367,9 @@ class EngineCore:
             kv_blocks_cached=cached, kv_blocks_used=bm.num_total_blocks - bm.num_free_blocks,
             prefix_cache_queries=bm.query_tokens, prefix_cache_hits=bm.hit_tokens,
             num_preemptions=s.num_preemptions, num_steps=self.num_steps,
+            spec_decode_num_drafts=s.spec_num_drafts,
+            spec_decode_num_draft_tokens=s.spec_num_draft_tokens,
+            spec_decode_num_accepted_tokens=s.spec_num_accepted_tokens,
             num_recompiles=self._worker_recompiles())
 
     def _worker_recompiles(self) -> int:

@@ -99,7 +99,11 @@ class EngineStats:
     cached ones do and may be evicted (LRU) to allocate.
     Prefix-cache counters are in tokens, counted when a sequence is scheduled
     from waiting: ``prefix_cache_queries`` prompt tokens looked up,
-    ``prefix_cache_hits`` of them found.
+    ``prefix_cache_hits`` of them found. Speculative decoding counters (vLLM's
+    ``spec_decode_num_drafts`` / ``_num_draft_tokens`` / ``_num_accepted_tokens``):
+    sequences whose drafts a step verified, the drafts verified, and of them
+    accepted; the acceptance rate is accepted / draft tokens, and the mean
+    accepted length 1 + accepted / drafts tokens per verifying step.
     """
 
     num_waiting: int
@@ -114,6 +118,15 @@ class EngineStats:
     num_steps: int
     num_recompiles: int = 0
     num_worker_restarts: int = 0  # worker processes started after the first (EngineLoop)
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+
+    @property
+    def spec_decode_acceptance_rate(self) -> float:
+        """Drafts accepted / drafts verified (0 before any)."""
+        return (self.spec_decode_num_accepted_tokens / self.spec_decode_num_draft_tokens
+                if self.spec_decode_num_draft_tokens else 0.0)
 
     @property
     def prefix_cache_hit_rate(self) -> float:

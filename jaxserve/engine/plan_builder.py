@@ -1,7 +1,8 @@
 """Turns a ``ScheduledStep`` into a ``StepPlan``: row diffs, schedule, bucket (jax-free).
 
 The bucket is the smallest ``(T, R)`` on the ladders that holds the step's
-tokens and sampling rows (R = 0 when no row samples). Blocks appended to a
+tokens (drafts included) and sampling slots (one per sampling row and one per
+draft; R = 0 when no row samples). Blocks appended to a
 row since the worker last heard of it travel as ``append_rows`` /
 ``append_block_ids``; a sequence new on its row sends all its known tokens
 and blocks in a ``NewRow``.
@@ -60,7 +61,10 @@ def build_plan(step: ScheduledStep, step_id: int, token_buckets: tuple[int, ...]
             append_ids.extend(added)
             req.num_blocks_sent = len(req.block_ids)
     n = len(step.reqs)
-    num_sampled = sum(step.sample)
+    num_slots = sum(step.num_slots(i) for i in range(n))
+    drafts = None if step.drafts is None else dict(
+        num_draft=np.fromiter(map(len, step.drafts), _I32, n),
+        draft_token_ids=np.array([t for d in step.drafts for t in d], _I32))
     return StepPlan(
         step_id=step_id,
         freed_rows=np.array(step.freed_rows, _I32),
@@ -72,4 +76,5 @@ def build_plan(step: ScheduledStep, step_id: int, token_buckets: tuple[int, ...]
         num_tokens=np.array(step.num_tokens, _I32),
         sample=np.array(step.sample, np.bool_),
         num_tokens_bucket=pick_bucket(token_buckets, step.total_tokens),
-        num_reqs_bucket=pick_bucket(request_buckets, num_sampled) if num_sampled else 0)
+        num_reqs_bucket=pick_bucket(request_buckets, num_slots) if num_slots else 0,
+        **(drafts or {}))

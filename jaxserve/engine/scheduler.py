@@ -27,6 +27,16 @@ enter the prefix cache at once (vLLM V1): a sequence scheduled later in the
 same step may hit them, because every layer writes the whole step's keys and
 values before any attention reads them, and steps run in order. A sequence
 samples when the step computes its last known token.
+
+**Speculative decoding** (``EngineConfig.speculative_config``,
+docs/speculative_decoding.md): once the step is chosen, decoding sequences
+get draft tokens (``ngram_proposer``) while the token budget, the R ladder's
+top (one sampling slot per draft) and free blocks last; a draft never runs a
+sequence past ``max_tokens``, and a sequence with structured outputs gets
+none. Drafts are not the sequence's tokens: ``num_computed_tokens`` and the
+prefix cache count only what ``update`` accepts, so the KV slots written for
+rejected drafts are simply written again later (their blocks stay the
+sequence's).
 """
 
 from __future__ import annotations
@@ -37,10 +47,13 @@ import concurrent.futures
 import dataclasses
 import logging
 
+import numpy as np
+
 from jaxserve.engine.block_manager import BlockManager
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.grammar import SequenceGrammar
 from jaxserve.engine.messages import EngineCoreOutput, EngineCoreRequest, SampleLogprobs
+from jaxserve.engine.ngram_proposer import propose_ngram
 from jaxserve.engine.request import FINISH_REASONS, Request, RequestGroup, RequestStatus
 from jaxserve.step_plan import PromptLogprobs, StepResult
 from jaxserve.validation import InvalidArgument
@@ -57,7 +70,9 @@ class ScheduledStep:
     ``new_reqs`` the sequences that start on a row this step (a ``NewRow``);
     ``freed_rows`` the rows released since the previous step;
     ``failed`` the outputs of sequences whose grammar did not compile
-    (finished "abort" before ever running).
+    (finished "abort" before ever running); ``drafts`` each sequence's draft
+    tokens (speculative decoding; counted in ``num_tokens``), or None when
+    the step has none.
     """
 
     reqs: list[Request] = dataclasses.field(default_factory=list)
@@ -69,6 +84,7 @@ class ScheduledStep:
     preempted: list[Request] = dataclasses.field(default_factory=list)
     failed: list[EngineCoreOutput] = dataclasses.field(default_factory=list)
     total_tokens: int = 0
+    drafts: list[list[int]] | None = None
 
     def add(self, req: Request, num_tokens: int) -> None:
         c = req.num_computed_tokens
@@ -78,6 +94,18 @@ class ScheduledStep:
         req.num_computed_tokens = c + num_tokens
         self.sample.append(c + num_tokens == len(req.token_ids))
         self.total_tokens += num_tokens
+
+    def add_drafts(self, i: int, drafts: list[int]) -> None:
+        """Sequence ``i`` (a sampling one) verifies ``drafts`` after its token this step."""
+        if self.drafts is None:
+            self.drafts = [[] for _ in self.reqs]
+        self.drafts[i] = drafts
+        self.num_tokens[i] += len(drafts)
+        self.total_tokens += len(drafts)
+
+    def num_slots(self, i: int) -> int:
+        """Sequence ``i``'s sampling slots: 0, or 1 + its drafts."""
+        return self.sample[i] * (1 + (len(self.drafts[i]) if self.drafts else 0))
 
 
 class Scheduler:
@@ -104,6 +132,11 @@ class Scheduler:
         self.free_rows = list(range(self.max_num_seqs - 1, -1, -1))  # pop() -> lowest row
         self.freed_rows: list[int] = []  # released since the last schedule
         self.num_preemptions = 0
+        self.speculative = config.speculative_config
+        self.max_num_slots = config.scheduler.request_buckets[-1]  # sampling slots in a step
+        self.spec_num_drafts = 0  # sequences whose drafts a step verified
+        self.spec_num_draft_tokens = 0  # drafts verified
+        self.spec_num_accepted_tokens = 0  # drafts accepted
         self._arrivals = 0
         self.grammar_pending: list[Request] = []  # waiting for their grammar's compile
 
@@ -208,8 +241,34 @@ class Scheduler:
 
         if not step.preempted:
             self._schedule_waiting(step, budget)
+        if self.speculative is not None:
+            self._propose_drafts(step)
         step.freed_rows, self.freed_rows = self.freed_rows, []
         return step
+
+    def _propose_drafts(self, step: ScheduledStep) -> None:
+        """Gives decoding sequences draft tokens (see the module docstring)."""
+        spec = self.speculative
+        budget = self.max_num_batched_tokens - step.total_tokens
+        slots = self.max_num_slots - sum(step.sample)
+        for i, req in enumerate(step.reqs):
+            if budget <= 0 or slots <= 0:
+                return
+            if not step.sample[i] or step.num_tokens[i] != 1 or req.grammar is not None:
+                continue
+            room = req.max_tokens - req.num_output_tokens - 1  # the step emits drafts + 1
+            k = min(spec.num_speculative_tokens, budget, slots, room)
+            if k <= 0:
+                continue
+            drafts = propose_ngram(np.asarray(req.token_ids, np.int32), num_speculative_tokens=k,
+                                   prompt_lookup_min=spec.prompt_lookup_min,
+                                   prompt_lookup_max=spec.prompt_lookup_max)
+            if not drafts.size or not self.block_manager.allocate_slots(
+                    req, req.num_computed_tokens + len(drafts)):
+                continue
+            step.add_drafts(i, drafts.tolist())
+            budget -= len(drafts)
+            slots -= len(drafts)
 
     def _poll_grammars(self, step: ScheduledStep) -> None:
         """Sequences whose grammar compiled may run; those whose compile failed finish."""
@@ -290,35 +349,56 @@ class Scheduler:
         """
         outputs: list[EngineCoreOutput] = []
         tokens = result.token_ids.tolist()
-        if len(tokens) != sum(step.sample):
+        num_slots = [step.num_slots(i) for i in range(len(step.reqs))]
+        if len(tokens) != sum(num_slots):
             raise ValueError(f"worker returned {len(tokens)} tokens for "
-                             f"{sum(step.sample)} sampling rows")
+                             f"{sum(num_slots)} sampling slots")
+        if (result.num_accepted is None) != (step.drafts is None):
+            raise ValueError("worker returned num_accepted for a step without drafts, or "
+                             "none for a step with drafts")
         if result.prompt_logprobs is not None:
             self._store_prompt_logprobs(step, result.prompt_logprobs)
+        accepted = iter(() if result.num_accepted is None else result.num_accepted.tolist())
         j = 0
         finished = False
-        for req, sample in zip(step.reqs, step.sample):
+        for i, req in enumerate(step.reqs):
+            if not num_slots[i]:
+                continue
+            first, j = j, j + num_slots[i]
+            num_accepted = next(accepted, 0)
             if req.status != RequestStatus.RUNNING:  # aborted meanwhile
-                j += sample
                 continue
-            if not sample:
-                continue
-            status = req.append_token(tokens[j])
-            if status is None and req.grammar is not None:
-                status = self._advance_grammar(req, tokens[j])
-            logprobs = self._logprobs(result, j) if req.wants_logprobs else None
-            j += 1
+            drafts = step.drafts[i] if step.drafts else []
+            if drafts:
+                self.spec_num_drafts += 1
+                self.spec_num_draft_tokens += len(drafts)
+                self.spec_num_accepted_tokens += num_accepted
+            new, logprobs, status = [], [] if req.wants_logprobs else None, None
+            for slot in range(first, first + num_accepted + 1):  # accepted drafts, then one
+                status = req.append_token(tokens[slot])
+                if status is None and req.grammar is not None:
+                    status = self._advance_grammar(req, tokens[slot])
+                new.append(tokens[slot])
+                if logprobs is not None:
+                    logprobs.extend(self._logprobs(result, slot) or ())
+                if status is not None:
+                    break
+            if logprobs == []:
+                logprobs = None
             prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs, None  # emitted once
             if status is None:
+                if len(new) > 1:  # the accepted drafts' KV was written by this step
+                    req.num_computed_tokens += len(new) - 1
+                    self.block_manager.cache_full_blocks(req)
                 outputs.append(EngineCoreOutput(
-                    req.request_id, req.index, [req.token_ids[-1]], logprobs,
+                    req.request_id, req.index, new, logprobs,
                     num_prompt_tokens=req.num_prompt_tokens,
                     num_cached_tokens=req.num_cached_tokens, prompt_logprobs=prompt_logprobs))
                 continue
             self._finish(req, status)
             finished = True
             outputs.append(EngineCoreOutput(
-                req.request_id, req.index, [req.token_ids[-1]], logprobs,
+                req.request_id, req.index, new, logprobs,
                 finish_reason=FINISH_REASONS[status], stop_reason=req.stop_reason,
                 num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens,
                 prompt_logprobs=prompt_logprobs))

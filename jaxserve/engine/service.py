@@ -42,6 +42,8 @@ refuses new calls, the loop stops and the worker is shut down.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import logging
 import queue
 import sys
@@ -54,7 +56,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from jaxserve.config import QUANTIZATION_METHODS
-from jaxserve.engine.config import AUTO_DTYPE, SERVED_DTYPES, CacheConfig, EngineConfig, SchedulerConfig
+from jaxserve.engine.config import (AUTO_DTYPE, SERVED_DTYPES, CacheConfig, EngineConfig,
+                                    SchedulerConfig, SpeculativeConfig)
 from jaxserve.engine.core import EngineCore
 from jaxserve.engine.grpc_worker import GrpcWorker, start_worker_process
 from jaxserve.engine.loop import EngineDeadError, EngineLoop, OutputBatch
@@ -303,6 +306,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                              "int4 = weight-only int4, a float32 scale per group of 32 inputs "
                              "(docs/model.md); default: the checkpoint's weights as "
                              "they are")
+    parser.add_argument("--speculative-config", type=speculative_config, default=None,
+                        metavar="JSON",
+                        help="speculative decoding (vLLM's flag), e.g. '{\"method\": \"ngram\", "
+                             "\"num_speculative_tokens\": 3, \"prompt_lookup_max\": 4}': "
+                             "n-gram prompt lookup proposes up to k tokens per step and the step "
+                             "verifies them (docs/speculative_decoding.md); default off")
     parser.add_argument("--max-worker-restarts", type=_non_negative_int, default=3,
                         help="worker processes the engine may start to replace a dead or hung "
                              "one, in its life (default 3; 0 = a worker failure is final)")
@@ -336,6 +345,17 @@ def bucket_ladder(text: str) -> tuple[int, ...]:
         return tuple(int(t) for t in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(f"not comma-separated integers: {text!r}") from None
+
+
+def speculative_config(text: str) -> SpeculativeConfig:
+    """An argparse type: vLLM's ``--speculative-config`` JSON object."""
+    try:
+        value = json.loads(text)
+        if not isinstance(value, dict):
+            raise ValueError(f"a JSON object is needed, got {text!r}")
+        return SpeculativeConfig.from_dict(value)
+    except (ValueError, TypeError) as err:  # json.JSONDecodeError is a ValueError
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def _unit_fraction(text: str) -> float:
@@ -377,6 +397,9 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
               "--load-format", args.load_format]
     if args.quantization is not None:
         flags += ["--quantization", args.quantization]
+    if args.speculative_config is not None:
+        flags += ["--speculative-config",
+                  json.dumps(dataclasses.asdict(args.speculative_config))]
     flags += ["--max-worker-restarts", str(args.max_worker_restarts),
               "--step-timeout", repr(args.step_timeout)]
     return flags
@@ -397,7 +420,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                              else {"kv_cache_bytes": args.kv_cache_bytes})),
         seed=args.seed, async_scheduling=args.async_scheduling, scan_layers=args.scan_layers,
         tensor_parallel_size=args.tensor_parallel_size, load_format=args.load_format,
-        quantization=args.quantization)
+        quantization=args.quantization, speculative_config=args.speculative_config)
 
 
 def _make_worker(args: argparse.Namespace):

@@ -107,7 +107,11 @@ def stats_to_proto(stats: EngineStats, *, serving: bool = True,
         prefix_cache_queries=stats.prefix_cache_queries,
         prefix_cache_hits=stats.prefix_cache_hits, num_preemptions=stats.num_preemptions,
         num_steps=stats.num_steps, num_recompiles=stats.num_recompiles,
-        num_worker_restarts=stats.num_worker_restarts, serving=serving, error=error)
+        num_worker_restarts=stats.num_worker_restarts,
+        spec_decode_num_drafts=stats.spec_decode_num_drafts,
+        spec_decode_num_draft_tokens=stats.spec_decode_num_draft_tokens,
+        spec_decode_num_accepted_tokens=stats.spec_decode_num_accepted_tokens,
+        serving=serving, error=error)
 
 
 def stats_from_proto(message: epb.EngineStatsResponse) -> EngineStats:
@@ -119,4 +123,7 @@ def stats_from_proto(message: epb.EngineStatsResponse) -> EngineStats:
         prefix_cache_queries=message.prefix_cache_queries,
         prefix_cache_hits=message.prefix_cache_hits, num_preemptions=message.num_preemptions,
         num_steps=message.num_steps, num_recompiles=message.num_recompiles,
-        num_worker_restarts=message.num_worker_restarts)
+        num_worker_restarts=message.num_worker_restarts,
+        spec_decode_num_drafts=message.spec_decode_num_drafts,
+        spec_decode_num_draft_tokens=message.spec_decode_num_draft_tokens,
+        spec_decode_num_accepted_tokens=message.spec_decode_num_accepted_tokens)

@@ -128,7 +128,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineStatsResponse(_message.Message):
-    __slots__ = ("num_waiting", "num_running", "kv_blocks_total", "kv_blocks_free", "kv_blocks_cached", "kv_blocks_used", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "num_steps", "serving", "error", "num_recompiles", "num_worker_restarts")
+    __slots__ = ("num_waiting", "num_running", "kv_blocks_total", "kv_blocks_free", "kv_blocks_cached", "kv_blocks_used", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "num_steps", "serving", "error", "num_recompiles", "num_worker_restarts", "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -143,6 +143,9 @@ class EngineStatsResponse(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     NUM_RECOMPILES_FIELD_NUMBER: _ClassVar[int]
     NUM_WORKER_RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DECODE_NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DECODE_NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DECODE_NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     num_waiting: int
     num_running: int
     kv_blocks_total: int
@@ -157,4 +160,7 @@ class EngineStatsResponse(_message.Message):
     error: str
     num_recompiles: int
     num_worker_restarts: int
-    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., serving: _Optional[bool] = ..., error: _Optional[str] = ..., num_recompiles: _Optional[int] = ..., num_worker_restarts: _Optional[int] = ...) -> None: ...
+    spec_decode_num_drafts: int
+    spec_decode_num_draft_tokens: int
+    spec_decode_num_accepted_tokens: int
+    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., serving: _Optional[bool] = ..., error: _Optional[str] = ..., num_recompiles: _Optional[int] = ..., num_worker_restarts: _Optional[int] = ..., spec_decode_num_drafts: _Optional[int] = ..., spec_decode_num_draft_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens: _Optional[int] = ...) -> None: ...

@@ -77,7 +77,7 @@ class NewRow(_message.Message):
     def __init__(self, row: _Optional[int] = ..., token_ids: _Optional[bytes] = ..., num_prompt_tokens: _Optional[int] = ..., sampling_json: _Optional[str] = ..., block_ids: _Optional[bytes] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "freed_rows", "new_rows", "append_rows", "append_block_ids", "rows", "num_computed", "num_tokens", "sample", "num_tokens_bucket", "num_reqs_bucket", "token_bitmask", "token_bitmask_words")
+    __slots__ = ("step_id", "freed_rows", "new_rows", "append_rows", "append_block_ids", "rows", "num_computed", "num_tokens", "sample", "num_tokens_bucket", "num_reqs_bucket", "token_bitmask", "token_bitmask_words", "has_drafts", "num_draft", "draft_token_ids")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     FREED_ROWS_FIELD_NUMBER: _ClassVar[int]
     NEW_ROWS_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +91,9 @@ class StepPlan(_message.Message):
     NUM_REQS_BUCKET_FIELD_NUMBER: _ClassVar[int]
     TOKEN_BITMASK_FIELD_NUMBER: _ClassVar[int]
     TOKEN_BITMASK_WORDS_FIELD_NUMBER: _ClassVar[int]
+    HAS_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     freed_rows: bytes
     new_rows: _containers.RepeatedCompositeFieldContainer[NewRow]
@@ -104,10 +107,13 @@ class StepPlan(_message.Message):
     num_reqs_bucket: int
     token_bitmask: bytes
     token_bitmask_words: int
-    def __init__(self, step_id: _Optional[int] = ..., freed_rows: _Optional[bytes] = ..., new_rows: _Optional[_Iterable[_Union[NewRow, _Mapping]]] = ..., append_rows: _Optional[bytes] = ..., append_block_ids: _Optional[bytes] = ..., rows: _Optional[bytes] = ..., num_computed: _Optional[bytes] = ..., num_tokens: _Optional[bytes] = ..., sample: _Optional[bytes] = ..., num_tokens_bucket: _Optional[int] = ..., num_reqs_bucket: _Optional[int] = ..., token_bitmask: _Optional[bytes] = ..., token_bitmask_words: _Optional[int] = ...) -> None: ...
+    has_drafts: bool
+    num_draft: bytes
+    draft_token_ids: bytes
+    def __init__(self, step_id: _Optional[int] = ..., freed_rows: _Optional[bytes] = ..., new_rows: _Optional[_Iterable[_Union[NewRow, _Mapping]]] = ..., append_rows: _Optional[bytes] = ..., append_block_ids: _Optional[bytes] = ..., rows: _Optional[bytes] = ..., num_computed: _Optional[bytes] = ..., num_tokens: _Optional[bytes] = ..., sample: _Optional[bytes] = ..., num_tokens_bucket: _Optional[int] = ..., num_reqs_bucket: _Optional[int] = ..., token_bitmask: _Optional[bytes] = ..., token_bitmask_words: _Optional[int] = ..., has_drafts: _Optional[bool] = ..., num_draft: _Optional[bytes] = ..., draft_token_ids: _Optional[bytes] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "token_ids", "has_logprobs", "logprob", "rank", "num_top_logprobs", "top_token_ids", "top_logprobs", "execute_seconds", "device_seconds", "prompt_logprobs")
+    __slots__ = ("step_id", "token_ids", "has_logprobs", "logprob", "rank", "num_top_logprobs", "top_token_ids", "top_logprobs", "execute_seconds", "device_seconds", "prompt_logprobs", "has_num_accepted", "num_accepted")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     HAS_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +125,8 @@ class StepResult(_message.Message):
     EXECUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    HAS_NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     token_ids: bytes
     has_logprobs: bool
@@ -130,7 +138,9 @@ class StepResult(_message.Message):
     execute_seconds: float
     device_seconds: float
     prompt_logprobs: PromptLogprobs
-    def __init__(self, step_id: _Optional[int] = ..., token_ids: _Optional[bytes] = ..., has_logprobs: _Optional[bool] = ..., logprob: _Optional[bytes] = ..., rank: _Optional[bytes] = ..., num_top_logprobs: _Optional[int] = ..., top_token_ids: _Optional[bytes] = ..., top_logprobs: _Optional[bytes] = ..., execute_seconds: _Optional[float] = ..., device_seconds: _Optional[float] = ..., prompt_logprobs: _Optional[_Union[PromptLogprobs, _Mapping]] = ...) -> None: ...
+    has_num_accepted: bool
+    num_accepted: bytes
+    def __init__(self, step_id: _Optional[int] = ..., token_ids: _Optional[bytes] = ..., has_logprobs: _Optional[bool] = ..., logprob: _Optional[bytes] = ..., rank: _Optional[bytes] = ..., num_top_logprobs: _Optional[int] = ..., top_token_ids: _Optional[bytes] = ..., top_logprobs: _Optional[bytes] = ..., execute_seconds: _Optional[float] = ..., device_seconds: _Optional[float] = ..., prompt_logprobs: _Optional[_Union[PromptLogprobs, _Mapping]] = ..., has_num_accepted: _Optional[bool] = ..., num_accepted: _Optional[bytes] = ...) -> None: ...
 
 class PromptLogprobs(_message.Message):
     __slots__ = ("index", "position", "logprob", "rank", "num_top_logprobs", "top_token_ids", "top_logprobs")

@@ -16,8 +16,11 @@ flow (gathers, compares and cumulative sums only):
 - ``seq_lens`` i32[RA] = ``num_computed + num_tokens``; the attention's block
   table ``[RA, MB]`` gathered from the persistent ``[M + 1, MB]`` one;
 - for the sampler, compacted in plan order into M slots (so its shape does
-  not depend on T): each sampling row's last token index, persistent row,
-  and position of the token it samples.
+  not depend on T): a sampling row's slots are its last ``sample`` query
+  tokens (one, or 1 + its drafts: speculative decoding) — for each slot the
+  token index, persistent row, position of the token it samples, the draft
+  that sample is verified against and the row's first slot (M × RA compares
+  find each slot's row).
 
 Blocks appended this step are scattered into the persistent block table
 first (``apply_appends``), so the step reads its own new blocks.
@@ -49,6 +52,8 @@ class SampleSlots:
     logits_indices: jax.Array  # [M] i32 token whose hidden state each slot samples from
     rows: jax.Array  # [M] i32 persistent row of each slot
     positions: jax.Array  # [M] i32 position of the token each slot samples
+    draft: jax.Array  # [M] i32 the draft its sample must equal for the row to go on, or -1
+    start: jax.Array  # [M] i32 the row's first slot (sampler.verify_drafts)
     server_key: jax.Array  # [2] u32 (seed, step id): the key of unseeded rows
 
 
@@ -90,7 +95,7 @@ def step_inputs(buffer: jax.Array, block_table: jax.Array, last_token: jax.Array
     rows = segment(buffer, layout, "rows")  # [RA]
     computed = segment(buffer, layout, "num_computed")  # [RA]
     counts = segment(buffer, layout, "num_tokens")  # [RA]
-    sample = segment(buffer, layout, "sample") != 0  # [RA]
+    num_slots = segment(buffer, layout, "sample")  # [RA] 0, or 1 + the row's drafts
     ends = jnp.cumsum(counts)  # [RA]
     qsl = jnp.concatenate([jnp.zeros(1, jnp.int32), ends])  # [RA + 1]
     token = jnp.arange(t, dtype=jnp.int32)  # [T]
@@ -107,13 +112,23 @@ def step_inputs(buffer: jax.Array, block_table: jax.Array, last_token: jax.Array
     seq_lens = computed + counts  # [RA]
     attention = AttentionMetadata(slot_mapping=slot_mapping, block_table=block_table[rows],
                                   seq_lens=seq_lens, query_start_loc=qsl)
-    # Sampling rows, compacted in plan order: slot j = the j-th row with sample set.
-    slot = jnp.where(sample, jnp.cumsum(sample) - 1, m)  # [RA]; m = dropped
-    pad = jnp.full((m,), m, jnp.int32)
+    # Sampling slots, compacted in plan order: a row's slots follow the rows before it.
+    slot_ends = jnp.cumsum(num_slots)  # [RA]
+    slot = jnp.arange(m, dtype=jnp.int32)  # [M]
+    slot_row = jnp.sum(slot_ends[None, :] <= slot[:, None], axis=1, dtype=jnp.int32)  # [M]
+    used = slot_row < ra  # [M]; padding slots lie past every row's slots
+    slot_row = jnp.minimum(slot_row, ra - 1)
+    first = slot_ends[slot_row] - num_slots[slot_row]  # [M] the row's first slot
+    offset = slot - first  # [M] the slot's index in its row
+    back = num_slots[slot_row] - offset  # [M] 1 at the row's last slot
+    token_index = ends[slot_row] - back  # [M]
+    draft = input_ids[jnp.minimum(token_index + 1, t - 1)]  # [M]
     slots = SampleSlots(
-        logits_indices=jnp.zeros((m,), jnp.int32).at[slot].set(ends - 1, mode="drop"),
-        rows=pad.at[slot].set(rows, mode="drop"),
-        positions=jnp.zeros((m,), jnp.int32).at[slot].set(seq_lens, mode="drop"),
+        logits_indices=jnp.where(used, token_index, 0),
+        rows=jnp.where(used, rows[slot_row], m),
+        positions=jnp.where(used, seq_lens[slot_row] - back + 1, 0),
+        draft=jnp.where(used & (back > 1), draft, -1),
+        start=jnp.where(used, first, slot),
         server_key=jax.lax.bitcast_convert_type(buffer[:2], jnp.uint32))
     return StepInputs(input_ids=input_ids, positions=positions, attention=attention,
                       slots=slots)

@@ -132,8 +132,8 @@ def sampler_executable(shapes: LadderShapes, num_reqs: int, variant: SamplerVari
     """``run_sampler`` (LM head + sampler) at R = ``num_reqs`` in ``variant``."""
     m = shapes.rows.max_num_seqs
     slots = SampleSlots(logits_indices=shapes.spec((m,), _I32), rows=shapes.spec((m,), _I32),
-                        positions=shapes.spec((m,), _I32),
-                        server_key=shapes.spec((2,), np.uint32))
+                        positions=shapes.spec((m,), _I32), draft=shapes.spec((m,), _I32),
+                        start=shapes.spec((m,), _I32), server_key=shapes.spec((2,), np.uint32))
     penalty = shapes.penalty if variant.processing else PenaltyState(None, None)
     bitmask = (shapes.spec((num_reqs, num_words(shapes.rows.vocab_size)), _I32)
                if variant.mask else None)

@@ -112,11 +112,14 @@ class PendingStep:
 
     def __init__(self, step_id: int, num_sampled: int, out: SamplerOutput | None,
                  logprobs: bool, done: jax.Array, dispatched: float, host_seconds: float,
-                 clock: DeviceClock, on_done=None, prompt=None):
+                 clock: DeviceClock, on_done=None, prompt=None, drafts=None):
         self.step_id = step_id
         self._num_sampled, self._out, self._logprobs, self._done = num_sampled, out, logprobs, done
         self._dispatched, self._host_seconds, self._on_done = dispatched, host_seconds, on_done
         self._prompt = prompt  # (mr.PromptLogprobs on the device, token, index, position)
+        # (kept bool[R] on the device, each sampling row's slots i32[k], the callback
+        # taking its accepted drafts i32[k]), or None without drafts
+        self._drafts = drafts
         self._clock = clock
         self._lock = threading.Lock()
         self._result: StepResult | None = None
@@ -132,15 +135,29 @@ class PendingStep:
 
     def _fetch(self) -> StepResult:
         s = self._num_sampled
+        kept = None
         if self._out is None:
             self._done.block_until_ready()
             result = StepResult(self.step_id, np.zeros(0, np.int32))
         elif not self._logprobs:
-            result = StepResult(self.step_id, fetch(self._out.token_ids)[:s])
+            if self._drafts is None:
+                token_ids = fetch(self._out.token_ids)
+            else:
+                token_ids, kept = fetch((self._out.token_ids, self._drafts[0]))
+            result = StepResult(self.step_id, token_ids[:s])
         else:
-            out = fetch(self._out)
+            if self._drafts is None:
+                out = fetch(self._out)
+            else:
+                out, kept = fetch((self._out, self._drafts[0]))
             result = StepResult(self.step_id, out.token_ids[:s], out.logprob[:s], out.rank[:s],
                                 out.top_token_ids[:s], out.top_logprobs[:s])
+        if kept is not None:
+            _, slots, on_accepted = self._drafts
+            starts = (np.cumsum(slots) - slots).astype(np.intp)
+            accepted = (np.add.reduceat(kept[:s].astype(np.int32), starts) - 1).astype(np.int32)
+            on_accepted(accepted)
+            result = dataclasses.replace(result, num_accepted=accepted)
         if self._prompt is not None:
             device, token, index, position = self._prompt
             scored = fetch(device)
@@ -192,6 +209,7 @@ class InProcessWorker:
         self.guard = RecompileGuard()
         self.background_compile: BackgroundCompile | None = None  # middle sampler variants
         self._clock = DeviceClock()
+        self._verifying: PendingStep | None = None  # the last step with drafts, until read
         self.ready = False
 
     # ---------------------------------------------------------------- set-up
@@ -395,6 +413,9 @@ class InProcessWorker:
 
     def _dispatch(self, plan: StepPlan, layout: StepLayout, r: int, start: float) -> PendingStep:
         rows = self.rows
+        if self._verifying is not None:  # its rows' lengths are known once it returns
+            self._verifying.result()
+            self._verifying = None
         rows.free(plan.freed_rows)
         synced = {new.row for new in plan.new_rows}
         for new in plan.new_rows:
@@ -411,10 +432,11 @@ class InProcessWorker:
         input_ids = query_input_ids(rows, plan)
         if synced:
             self._sync_rows(np.array(sorted(synced), np.int32))
+        slots = plan.slots_per_row()  # [n] 0, or 1 + the row's drafts
         buffer = pack(
             layout, seed=self.init.seed, step_id=plan.step_id, input_ids=input_ids,
             rows=plan.rows, num_computed=plan.num_computed, num_tokens=plan.num_tokens,
-            sample=plan.sample, append_rows=append_rows, append_index=append_index,
+            sample=slots, append_rows=append_rows, append_index=append_index,
             append_blocks=append_blocks)
         masked = r and plan.token_bitmask is not None
         if masked:  # structured outputs: the bitmask travels in the step's one upload
@@ -423,33 +445,41 @@ class InProcessWorker:
         else:
             buffer, bitmask = upload(buffer, self.placement), None
         dispatched = time.perf_counter()
-        self.kv_cache, block_table, hidden, slots, hidden_all = self._call(
+        self.kv_cache, block_table, hidden, sample_slots, hidden_all = self._call(
             f"body[T={layout.num_tokens}]", functools.partial(
                 mr.run_body, self.graphdef, layout=layout, backend=self.backend),
             self.state, self.kv_cache, self.device_rows.block_table, self.last_token, buffer)
         self.device_rows = dataclasses.replace(self.device_rows, block_table=block_table)
         prompt = self._prompt_logprobs(plan, layout.num_tokens, hidden_all)
-        sample_rows = plan.rows[plan.sample]  # [s]
         if not r:
-            return PendingStep(plan.step_id, 0, None, False, slots.rows, dispatched,
+            return PendingStep(plan.step_id, 0, None, False, sample_slots.rows, dispatched,
                                dispatched - start, self._clock, self._count, prompt)
+        sample_rows = np.repeat(plan.rows, slots)  # [s] each slot's row
         needed = rows.sampler_variant(sample_rows)
         variant = self._ready_variant(r, masked_variant(needed) if masked else needed)
-        rows.count_sampled(sample_rows)
+        rows.count_sampled(plan.rows[plan.sample])
         penalty = self.penalty if variant.processing else ds.PenaltyState(None, None)
-        out, self.last_token, counts = self._call(
+        out, kept, self.last_token, counts = self._call(
             sampler_name(r, variant), functools.partial(
                 mr.run_sampler, self.graphdef, num_reqs=r, variant=variant),
-            self.state, hidden, slots, self.device_rows, self.last_token,
+            self.state, hidden, sample_slots, self.device_rows, self.last_token,
             penalty.prompt_mask, penalty.output_counts, bitmask)
         if variant.processing:
             self.penalty = ds.PenaltyState(self.penalty.prompt_mask, counts)
         self.executed_variants[variant_name(variant)] += 1
         logprobs = bool((rows.params["num_logprobs"][sample_rows] >= 0).any())
+        drafts = None
+        if plan.num_draft is not None:  # speculative decoding: the kept slots come back too
+            sampling = plan.rows[plan.sample]
+            drafts = (kept, slots[plan.sample], functools.partial(rows.count_accepted, sampling))
+            kept.copy_to_host_async()
         for leaf in jax.tree.leaves(out if logprobs else out.token_ids):
             leaf.copy_to_host_async()
-        return PendingStep(plan.step_id, len(sample_rows), out, logprobs, out.token_ids,
-                           dispatched, dispatched - start, self._clock, self._count, prompt)
+        pending = PendingStep(plan.step_id, len(sample_rows), out, logprobs, out.token_ids,
+                              dispatched, dispatched - start, self._clock, self._count, prompt,
+                              drafts)
+        self._verifying = pending if drafts is not None else None
+        return pending
 
     def _prompt_logprobs(self, plan: StepPlan, t: int, hidden: jax.Array):
         """Dispatches ``prompt_logprobs[T]`` when the step's rows score prompt tokens.

@@ -14,7 +14,9 @@ header                2       server seed (low 32 bits), step id
 ``rows``              RA      persistent row of each scheduled row (M)
 ``num_computed``      RA      tokens of the row already in the KV cache (0)
 ``num_tokens``        RA      query tokens of the row (0)
-``sample``            RA      1 if the row samples after its last token (0)
+``sample``            RA      the row's sampling slots: 0, or 1 + its draft
+                              tokens (it samples after each of its last
+                              ``sample`` query tokens) (0)
 ``append_rows``       A       row of each block appended this step (M + 1:
                               dropped by the device scatter)
 ``append_index``      A       its index in the row's block table (0)
@@ -119,7 +121,8 @@ def query_input_ids(rows: RowState, plan: StepPlan) -> np.ndarray:
 
     A query token the host knows (``RowState.num_known``) is its id; the one
     token it may not know — a decode row's last token, sampled by an earlier
-    step, possibly still in flight — is -1 (read on the device).
+    step, possibly still in flight — is -1 (read on the device). A row's
+    draft tokens (``StepPlan.num_draft``) end its query and are the plan's.
 
     Raises:
       ValueError: a scheduled row is not in use or appears twice, lacks the
@@ -127,9 +130,11 @@ def query_input_ids(rows: RowState, plan: StepPlan) -> np.ndarray:
         tokens, or needs a token that is neither known nor its last.
     """
     r, c, n = plan.rows, plan.num_computed, plan.num_tokens
-    end = c + n  # [n]
+    drafts = np.zeros_like(n) if plan.num_draft is None else plan.num_draft  # [n]
+    end = c + n - drafts  # [n] after the row's tokens, before its drafts
     if len(r) and (not rows.in_use[r].all() or (end > rows.num_tokens[r]).any()
-                   or (end > rows.num_blocks[r] * rows.block_size).any() or (n < 1).any()
+                   or (end + drafts > rows.num_blocks[r] * rows.block_size).any()
+                   or (end + drafts > rows.max_model_len).any() or (n < 1).any()
                    or len(np.unique(r)) != len(r)):
         raise ValueError(f"step {plan.step_id}: rows {r.tolist()} lack tokens or blocks for "
                          f"num_computed {c.tolist()} + num_tokens {n.tolist()}")
@@ -138,12 +143,19 @@ def query_input_ids(rows: RowState, plan: StepPlan) -> np.ndarray:
     start = np.cumsum(n) - n  # [n] first query token of each row
     tok_row = np.repeat(r, n)  # [total]
     pos = np.arange(int(n.sum()), dtype=np.int32) + np.repeat(c - start, n)  # [total]
+    draft = pos >= np.repeat(end, n)  # [total]
     known = pos < rows.num_known[tok_row]
-    if (~known & (pos != rows.num_tokens[tok_row] - 1)).any():
+    if (~known & ~draft & (pos != rows.num_tokens[tok_row] - 1)).any():
         raise ValueError(f"step {plan.step_id}: a query token is neither known to the worker "
                          f"nor its row's last sampled token")
-    ids = rows.token_ids[tok_row, np.minimum(pos, rows.max_model_len - 1)]
-    return np.where(known, ids, -1).astype(np.int32)
+    ids = np.where(known, rows.token_ids[tok_row, np.minimum(pos, rows.max_model_len - 1)], -1)
+    if plan.num_draft is not None:
+        d = plan.draft_token_ids
+        if ((d < 0) | (d >= rows.vocab_size)).any():
+            raise ValueError(f"step {plan.step_id}: draft token ids outside the vocabulary "
+                             f"[0, {rows.vocab_size}): {d[(d < 0) | (d >= rows.vocab_size)]}")
+        ids[draft] = d
+    return ids.astype(np.int32)
 
 
 def prompt_logprob_targets(rows: RowState, plan: StepPlan, num_tokens: int

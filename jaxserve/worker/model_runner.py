@@ -13,9 +13,11 @@ tests and the benchmarks all run it.
   are donated (updated in place).
 - ``run_sampler``: the LM head over the first R slots, the sampling
   parameters gathered from the persistent rows, and the sampler
-  (``jaxserve.worker.sampler.sample``) in the variant the host chose; then
-  each sampled token becomes its row's ``last_token`` (donated) and, in
-  variants that apply penalties, is counted in ``output_counts`` (donated).
+  (``jaxserve.worker.sampler.sample``) in the variant the host chose; a row
+  with draft tokens keeps its accepted drafts and the token after them
+  (``sampler.verify_drafts``); then each row's last kept token becomes its
+  ``last_token`` (donated) and, in variants that apply penalties, its kept
+  tokens are counted in ``output_counts`` (donated).
 - ``run_prompt_logprobs``: keyed on T, run only in steps with prompt-logprob
   rows: the LM head over the body's [T, D] states, in chunks of at most
   ``PROMPT_LOGPROBS_CHUNK`` tokens, and for every token the logprob (from the
@@ -45,8 +47,9 @@ from jaxserve.worker.device_inputs import SampleSlots, apply_appends, step_input
 from jaxserve.worker.device_state import DeviceRows
 from jaxserve.worker.inputs import StepLayout
 from jaxserve.worker.rows import PARAM_FIELDS
-from jaxserve.worker.sampler import (SamplerOutput, SamplerVariant, SamplingMetadata, sample,
-                                     token_logprobs)
+from jaxserve.worker.sampler import (SamplerOutput, SamplerVariant, SamplingMetadata,
+                                     count_earlier_drafts, sample, token_logprobs,
+                                     verify_drafts)
 
 
 def _body(graphdef: StaticGraph, state: dict, kv_cache: KVCache, block_table: jax.Array,
@@ -148,8 +151,8 @@ def run_sampler(graphdef: StaticGraph, state: dict, hidden: jax.Array, slots: Sa
                 device_rows: DeviceRows, last_token: jax.Array, prompt_mask: jax.Array | None,
                 output_counts: jax.Array | None, token_bitmask: jax.Array | None = None, *,
                 num_reqs: int, variant: SamplerVariant
-                ) -> tuple[SamplerOutput, jax.Array, jax.Array | None]:
-    """Logits of the first R slots, then one token per row.
+                ) -> tuple[SamplerOutput, jax.Array, jax.Array, jax.Array | None]:
+    """Logits of the first R slots, then one token per slot, verified against the drafts.
 
     Args:
       hidden: [M, D], ``run_body``'s gathered states; slots: its ``SampleSlots``.
@@ -164,18 +167,21 @@ def run_sampler(graphdef: StaticGraph, state: dict, hidden: jax.Array, slots: Sa
       variant: the sampler variant (static; ``jaxserve.worker.sampler``).
 
     Returns:
-      (SamplerOutput for R rows, last_token, output_counts or None)
+      (SamplerOutput for R slots, kept bool[R] — the slots whose tokens their
+      rows keep (``verify_drafts``), last_token, output_counts or None)
     """
     r = num_reqs
     rows = slots.rows[:r]  # [R]; padding slots hold row M
     positions = slots.positions[:r]  # [R]
+    draft, start = slots.draft[:r], slots.start[:r]  # [R]
     model = graphdef.merge(state)
     logits = model.logits(hidden[:r])  # [R, V] f32
     vocab = logits.shape[1]
     if output_counts is None:
         mask, counts = jnp.zeros((r, vocab), bool), jnp.zeros((r, vocab), jnp.int32)
     else:
-        mask, counts = prompt_mask[rows], output_counts[rows]
+        mask = prompt_mask[rows]
+        counts = count_earlier_drafts(output_counts[rows], draft, start)
     metadata = SamplingMetadata(
         positions=positions,
         ban_active=positions - device_rows.num_prompt_tokens[rows] < device_rows.min_tokens[rows],
@@ -185,7 +191,10 @@ def run_sampler(graphdef: StaticGraph, state: dict, hidden: jax.Array, slots: Sa
         # With tensor parallelism every device draws the same tokens from full rows.
         out = on_every_device(functools.partial(sample, variant=variant), model.mesh)(
             logits, metadata, slots.server_key, token_bitmask)
-    last_token = last_token.at[rows].set(out.token_ids)
+    kept, last = verify_drafts(out.token_ids, draft, start)
+    dropped = last_token.shape[0]  # M + 1: out of range, the scatter drops it
+    last_token = last_token.at[jnp.where(last, rows, dropped)].set(out.token_ids, mode="drop")
     if output_counts is not None:
-        output_counts = output_counts.at[rows, out.token_ids].add(1)
-    return out, last_token, output_counts
+        output_counts = output_counts.at[jnp.where(kept, rows, dropped), out.token_ids].add(
+            1, mode="drop")
+    return out, kept, last_token, output_counts

@@ -168,3 +168,12 @@ class RowState:
         """
         n = self.num_tokens[rows]
         self.num_tokens[rows] = np.minimum(n + 1, self.max_model_len)
+
+    def count_accepted(self, rows: np.ndarray, num_accepted: np.ndarray) -> None:
+        """Counts the draft tokens each of these sampling rows accepted (i32[k] each).
+
+        ``count_sampled`` counted the token after them when the step was
+        dispatched; their values are the plan's drafts, whose KV the step wrote.
+        """
+        self.num_tokens[rows] = np.minimum(self.num_tokens[rows] + num_accepted,
+                                           self.max_model_len)
