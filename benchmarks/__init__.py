@@ -14,4 +14,4 @@ See docs/benchmarks.md. ``kernels/`` and ``sampler_bench.py`` are micro-benchmar
 """
 
 BENCHMARKS = ("offline_throughput", "serving", "step_profile", "decode_roofline",
-              "cpu_side_by_side", "structured_outputs")
+              "cpu_side_by_side", "structured_outputs", "speculative")

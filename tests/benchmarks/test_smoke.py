@@ -296,3 +296,22 @@ def test_structured_outputs(tiny_model_dir, tmp_path):
     for name in SCHEMAS:
         times = out["grammar_compile_s"][name]
         assert times["first"] > 0 and times["cached"] >= 0
+
+
+def test_speculative(tiny_model_dir, tmp_path):
+    """Both engines run every workload; the speculative one's outputs are the plain one's,
+    its counters add up, and nothing compiles in the timed window."""
+    out = run_bench("speculative", tmp_path, "--model", str(tiny_model_dir), "--max-tokens", "12",
+                    "--repeats", "1", "--prompt-lookup-min", "1", "--workloads", "copy,noisy")
+    assert set(out["workloads"]) == {"copy", "noisy"}
+    for name, row in out["workloads"].items():
+        assert row["identical"], name
+        (plain,), (ngram,) = row["runs"]["plain"], row["runs"]["ngram"]
+        assert plain["compiles"] == ngram["compiles"] == 0, name
+        assert plain["output_tokens"] == ngram["output_tokens"] > 0
+        assert plain["drafts"] == 0 and ngram["accepted_tokens"] <= ngram["draft_tokens"]
+        assert row["speedup"] == pytest.approx(row["output_tokens_per_s"]["ngram"]
+                                               / row["output_tokens_per_s"]["plain"])
+        if ngram["drafts"]:
+            assert row["mean_accepted_length"] == pytest.approx(
+                1 + ngram["accepted_tokens"] / ngram["drafts"])
