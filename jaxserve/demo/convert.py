@@ -79,7 +79,7 @@ def convert_gguf(gguf_path: pathlib.Path, out_dir: pathlib.Path, *,
     tokenizer.save(str(out_dir / "tokenizer.json"))
     _write_json(out_dir / "tokenizer_config.json", tokenizer_config(info))
     _write_json(out_dir / "special_tokens_map.json", special_tokens_map(info))
-    write_gguf_source(out_dir, gguf_path)
+    write_gguf_source(out_dir, gguf_path, reader=reader)
     check_safetensors(out_dir / "model.safetensors", tensors)
     check_config(out_dir, info)
     check_tokenizer(out_dir, info, tokenizer)

@@ -302,8 +302,7 @@ def load_model(model_dir: str | os.PathLike | None = None, dtype: str | jnp.dtyp
     # With a mesh, tensors are combined on the host (JAX's CPU device), then each
     # device receives its slice; without, on the default device.
     host = None if mesh is None else jax.local_devices(backend="cpu")[0]
-    gguf_path = gguf_source.source_path(path) if quantization == "int4" else None
-    source = None if gguf_path is None else gguf_source.GgufSource(gguf_path)
+    source = gguf_source.open_gguf_source(path) if quantization == "int4" else None
     abstracts = dict(nnx.to_flat_state(state))
     filled, from_gguf = {}, 0
     for param_path, abstract in abstracts.items():

@@ -120,7 +120,7 @@ def test_an_older_directory_gets_its_gguf_source_record_without_a_rebuild(tmp_pa
                                                                           demo_gguf_path,
                                                                           monkeypatch):
     from jaxserve.demo.source import GGUF_NAME
-    from jaxserve.model.gguf_source import GGUF_SOURCE_FILE, source_path
+    from jaxserve.model.gguf_source import GGUF_SOURCE_FILE, open_gguf_source
 
     _forbid_rebuild(monkeypatch)
     target = demo_model.demo_model_path(tmp_path)
@@ -138,7 +138,7 @@ def test_an_older_directory_gets_its_gguf_source_record_without_a_rebuild(tmp_pa
     (tmp_path / "gguf" / GGUF_NAME).symlink_to(demo_gguf_path)
     assert demo_model.build_demo_model(tmp_path) == demo_model.BuildResult(target, False, 0.0, 0.0)
     assert (target / GGUF_SOURCE_FILE).read_bytes() == (demo_model_dir / GGUF_SOURCE_FILE).read_bytes()
-    assert source_path(target) == demo_gguf_path.resolve()
+    assert open_gguf_source(target).path == demo_gguf_path.resolve()
     assert manifest_problems(target, full=True) == []
     assert json.loads((target / MANIFEST_NAME).read_text())["source"] == "an older build"
     assert not list(target.glob(".*tmp*"))

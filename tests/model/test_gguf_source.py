@@ -23,7 +23,7 @@ import pytest
 
 from jaxserve.demo.tensors import unpermute_rotary_rows
 from jaxserve.model import quantization as quant
-from jaxserve.model.gguf_source import GGUF_SOURCE_FILE, GgufSource, source_path
+from jaxserve.model.gguf_source import GGUF_SOURCE_FILE, open_gguf_source
 from jaxserve.model.loader import load_model
 
 # The fused kernels: GGUF tensors of layer i, in the order the model fuses them.
@@ -68,22 +68,28 @@ def _reference(gguf_tensors, layer: int, parts: tuple[str, ...], config) -> np.n
 
 
 def test_the_demo_gguf_holds_q4_1_kernels_a_q8_0_embedding_and_f32_norms(gguf_tensors,
-                                                                         demo_gguf_path):
+                                                                         demo_model_dir):
     kinds = collections.Counter((name.split(".")[-2], t.tensor_type.name)
                                 for name, t in gguf_tensors.items())
     layers = 30
     assert kinds == {**{(part, "Q4_1"): layers for parts in KERNELS.values() for part in parts},
                      ("attn_norm", "F32"): layers, ("ffn_norm", "F32"): layers,
                      ("output_norm", "F32"): 1, ("token_embd", "Q8_0"): 1}, kinds
-    types = GgufSource(demo_gguf_path).tensor_types()
+    source = open_gguf_source(demo_model_dir)  # the record's table: the reader's
+    types = source.tensor_types()
+    assert len(types) == len(gguf_tensors)
     assert types["model.layers.7.self_attn.k_proj.weight"] == "Q4_1"
     assert types["model.embed_tokens.weight"] == "Q8_0"
+    for entry in source.tensors.values():
+        tensor = gguf_tensors[entry["gguf_name"]]
+        assert (entry["type"], entry["offset"], entry["shape"]) == (
+            tensor.tensor_type.name, tensor.data_offset, list(reversed(tensor.shape.tolist())))
 
 
 def test_every_direct_int4_kernel_is_bit_equal_to_ggufs_dequantization(direct, gguf_tensors,
                                                                       demo_model_dir,
                                                                       demo_gguf_path):
-    assert source_path(demo_model_dir) == demo_gguf_path.resolve()
+    assert open_gguf_source(demo_model_dir).path == demo_gguf_path.resolve()
     config, _, params = direct
     for layer in range(config.num_layers):
         for (module, name), parts in KERNELS.items():
@@ -147,7 +153,7 @@ def test_scanned_direct_load_stacks_the_layers(direct, demo_model_dir):
 
 def test_a_missing_or_changed_source_is_not_used(demo_model_dir, demo_gguf_path, tmp_path, caplog):
     directory = _without_record(demo_model_dir, tmp_path / "model")
-    assert source_path(directory) is None  # no record: nothing to use, nothing said
+    assert open_gguf_source(directory) is None  # no record: nothing to use, nothing said
     record = json.loads((demo_model_dir / GGUF_SOURCE_FILE).read_text())
     for change, said in (({"path": str(tmp_path / "gone.gguf")}, "which is missing"),
                          ({"bytes": record["bytes"] + 1}, f"the record says {record['bytes'] + 1}"),
@@ -156,12 +162,12 @@ def test_a_missing_or_changed_source_is_not_used(demo_model_dir, demo_gguf_path,
         entry = {**record, "path": str(demo_gguf_path), **change}
         (directory / GGUF_SOURCE_FILE).write_text(json.dumps(entry))
         caplog.clear()
-        got = source_path(directory)
+        got = open_gguf_source(directory)
         if said is None:
-            assert got == demo_gguf_path.resolve() and not caplog.records
+            assert got.path == demo_gguf_path.resolve() and not caplog.records
         else:
             assert got is None and said in caplog.text and "safetensors alone" in caplog.text
     (directory / GGUF_SOURCE_FILE).write_text('{"path": "x.gguf"}')
     with pytest.raises(ValueError, match="is not a GGUF source record"):
-        source_path(directory)
+        open_gguf_source(directory)
 
