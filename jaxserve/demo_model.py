@@ -10,12 +10,15 @@ dequantizes it to float32 and writes a standard HF directory::
       models/SmolLM2-135M-Instruct/           the model directory
         config.json  generation_config.json  model.safetensors
         tokenizer.json  tokenizer_config.json  special_tokens_map.json
+        gguf_source.json                      names ../../gguf/…Q4_1.gguf (int4 loads its blocks)
         jaxserve_manifest.json                written last: sha256 + size of each file
       models/.SmolLM2-135M-Instruct.lock      fcntl lock held while building
 
 A complete directory built before ``generation_config.json`` carried the
 demo's sampling defaults (``jaxserve.demo.GENERATION_DEFAULTS``) gets them
-added in place, under the lock, with its manifest entry updated: no rebuild.
+added in place, under the lock, with its manifest entry updated: no rebuild;
+so does one built before ``gguf_source.json`` get that record, when the cache
+holds the GGUF file with the pinned sha256.
 
 Building happens in a temporary sibling directory that is renamed into place
 once written and checked, under an exclusive file lock, so concurrent
@@ -135,20 +138,53 @@ def _add_generation_defaults(path: pathlib.Path) -> None:
     Both files are replaced atomically (``os.replace``); a reader between the
     two sees a size mismatch, takes the lock and finds the directory complete.
     """
-    from jaxserve.demo.manifest import MANIFEST_NAME, read_manifest
-    from jaxserve.demo.source import sha256_file
+    from jaxserve.demo.manifest import read_manifest
 
     missing = _missing_generation_defaults(path)
-    manifest = read_manifest(path)
-    if not missing or manifest is None:
+    if not missing or read_manifest(path) is None:
         return
     config_path = path / "generation_config.json"
     config = {**json.loads(config_path.read_text()), **missing}
     _replace_text(config_path, json.dumps(config, indent=2, ensure_ascii=False) + "\n")
-    manifest["files"][config_path.name] = {"bytes": config_path.stat().st_size,
-                                           "sha256": sha256_file(config_path)}
-    _replace_text(path / MANIFEST_NAME, json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    _add_to_manifest(path, config_path)
     logger.info("added the sampling defaults %s to %s", missing, config_path)
+
+
+def _cached_gguf(root: pathlib.Path) -> pathlib.Path:
+    from jaxserve.demo.source import GGUF_NAME
+
+    return root / "gguf" / GGUF_NAME
+
+
+def _lacks_gguf_source(path: pathlib.Path, root: pathlib.Path) -> bool:
+    """Whether ``path`` names no GGUF source while the cache holds the demo's GGUF file."""
+    return not (path / "gguf_source.json").is_file() and _cached_gguf(root).is_file()
+
+
+def _add_gguf_source(path: pathlib.Path, root: pathlib.Path) -> None:
+    """Names the cache's GGUF file in a complete directory built before ``gguf_source.json``
+    (when it has the pinned sha256); the caller holds the lock."""
+    from jaxserve.demo.manifest import read_manifest
+    from jaxserve.demo.source import GGUF_SHA256, sha256_file
+    from jaxserve.model.gguf_source import GGUF_SOURCE_FILE, write_gguf_source
+
+    gguf = _cached_gguf(root)
+    if (not _lacks_gguf_source(path, root) or read_manifest(path) is None
+            or sha256_file(gguf) != GGUF_SHA256):
+        return
+    write_gguf_source(path, gguf, GGUF_SHA256)
+    _add_to_manifest(path, path / GGUF_SOURCE_FILE)
+    logger.info("named %s as the GGUF source of %s", gguf, path)
+
+
+def _add_to_manifest(path: pathlib.Path, file: pathlib.Path) -> None:
+    """Records ``file``'s size and sha256 in ``path``'s manifest (replaced atomically)."""
+    from jaxserve.demo.manifest import MANIFEST_NAME, read_manifest
+    from jaxserve.demo.source import sha256_file
+
+    manifest = read_manifest(path)
+    manifest["files"][file.name] = {"bytes": file.stat().st_size, "sha256": sha256_file(file)}
+    _replace_text(path / MANIFEST_NAME, json.dumps(manifest, indent=2, sort_keys=True) + "\n")
 
 
 def _replace_text(path: pathlib.Path, text: str) -> None:
@@ -179,12 +215,13 @@ def build_demo_model(cache_dir: str | os.PathLike[str] | None = None, *,
     root = cache_root(cache_dir)
     final = demo_model_path(root)
     if (not force and _is_complete(final, full=verify)
-            and not _missing_generation_defaults(final)):
+            and not _missing_generation_defaults(final) and not _lacks_gguf_source(final, root)):
         return BuildResult(final, False, 0.0, 0.0)
     with cache_lock(root):
         # Another process may have finished the build while this one waited.
         if not force and _is_complete(final, full=verify):
             _add_generation_defaults(final)
+            _add_gguf_source(final, root)
             return BuildResult(final, False, 0.0, 0.0)
         from jaxserve.demo.convert import convert_gguf
         from jaxserve.demo.manifest import write_manifest

@@ -6,7 +6,8 @@ quantized LLM's greedy first tokens are the argmax of the quantized model's logi
 through the worker's step body (``tests/model/test_quantized_model.py`` checks
 those logits against the float model); a checkpoint saved with ``-q`` restores into
 an LLM of the same method with the same tokens, and is refused without it.
-Prompts are token ids (the demo tokenizer only detokenizes; V is 256).
+Prompts are token ids (the demo tokenizer only detokenizes; V is 256). The demo model
+itself, with int4 kernels from its GGUF's Q4_1 blocks, generates its own greedy tokens.
 """
 
 from __future__ import annotations
@@ -69,6 +70,27 @@ def test_quantized_llm_generates_the_quantized_models_greedy_tokens(method, tiny
                      quantization=method) == got
     with pytest.raises(ValueError, match=f"quantization={method}"):  # served without it: refused
         _generate(out, demo_model_dir, [{"prompt_token_ids": prompts[0]}])
+
+
+def test_int4_demo_model_generates_from_its_gguf_blocks(demo_model_dir):
+    """The demo model's int4 kernels come from its GGUF's Q4_1 blocks (bit-equal to gguf's
+    dequantization: ``tests/model/test_gguf_source.py``); the LLM's greedy first tokens are
+    the argmax of that loaded model's logits."""
+    from transformers import AutoTokenizer
+
+    from jaxserve.model.gguf_source import GGUF_SOURCE_FILE
+    from tests.demo_prompts import TEXTS
+
+    assert (demo_model_dir / GGUF_SOURCE_FILE).is_file()
+    tokenizer = AutoTokenizer.from_pretrained(str(demo_model_dir))
+    prompts = [tokenizer.encode(text) for text in TEXTS[:3]]
+    got = _generate(demo_model_dir, demo_model_dir, [{"prompt_token_ids": p} for p in prompts],
+                    quantization="int4")
+    assert all(len(t) == GREEDY.max_tokens for t in got)
+    config, graphdef, state = load_model(demo_model_dir, quantization="int4")
+    logits = PagedRunner(config, graphdef, state, backend="cpu").step(
+        {f"s{i}": p for i, p in enumerate(prompts)})
+    assert [t[0] for t in got] == [int(logits[f"s{i}"].argmax()) for i in range(len(prompts))]
 
 
 def test_llm_refuses_an_unsupported_quantization_in_one_line(tiny, demo_model_dir):

@@ -2,8 +2,10 @@
 
 Writes ``config.json``, ``generation_config.json``, ``model.safetensors``
 (float32, HF Llama names, tied embeddings stored once as
-``model.embed_tokens.weight``), ``tokenizer.json``, ``tokenizer_config.json``
-and ``special_tokens_map.json``. The checks re-read what was written: every
+``model.embed_tokens.weight``), ``tokenizer.json``, ``tokenizer_config.json``,
+``special_tokens_map.json`` and ``gguf_source.json`` (the GGUF file converted, by
+relative path, size and sha256: ``jaxserve.model.gguf_source``, from which an int4
+load takes the Q4_1 kernels as stored). The checks re-read what was written: every
 safetensors tensor equal to the converted array, the config through
 ``transformers.AutoConfig``, and the tokenizer through
 ``transformers.AutoTokenizer`` (ids equal to the ``tokenizers`` object built
@@ -25,6 +27,7 @@ from jaxserve.demo import DemoModelError
 from jaxserve.demo.gguf_read import GgufModelInfo, generation_config, hf_config, read_model_info
 from jaxserve.demo.tensors import convert_tensors
 from jaxserve.demo.tokenizer import build_tokenizer, special_tokens_map, tokenizer_config
+from jaxserve.model.gguf_source import write_gguf_source
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +79,7 @@ def convert_gguf(gguf_path: pathlib.Path, out_dir: pathlib.Path, *,
     tokenizer.save(str(out_dir / "tokenizer.json"))
     _write_json(out_dir / "tokenizer_config.json", tokenizer_config(info))
     _write_json(out_dir / "special_tokens_map.json", special_tokens_map(info))
+    write_gguf_source(out_dir, gguf_path, reader=reader)
     check_safetensors(out_dir / "model.safetensors", tensors)
     check_config(out_dir, info)
     check_tokenizer(out_dir, info, tokenizer)

@@ -92,6 +92,21 @@ def unpermute_rotary_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, head_dim // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def hf_rows(gguf_name: str, rows: np.ndarray, num_heads: int, num_kv_heads: int) -> np.ndarray:
+    """A GGUF tensor's rows in HF order: ``attn_q`` / ``attn_k`` un-permuted
+    (``unpermute_rotary_rows`` with ``num_heads`` N / ``num_kv_heads`` K), others as they are.
+
+    ``rows`` [out, ...]: axis 0 is the tensor's output rows — its float values ``[out, in]``,
+    or its quantized bytes ``[out, bytes per row]`` (blocks run along the input axis, so
+    moving whole rows moves whole blocks).
+    """
+    if gguf_name.endswith(".attn_q.weight"):
+        return unpermute_rotary_rows(rows, num_heads)
+    if gguf_name.endswith(".attn_k.weight"):
+        return unpermute_rotary_rows(rows, num_kv_heads)
+    return rows
+
+
 def convert_tensors(reader: Any, info: GgufModelInfo, progress: bool | None = None) -> dict[str, np.ndarray]:
     """Dequantize every tensor of a ``gguf.GGUFReader`` into float32 HF tensors.
 
@@ -112,10 +127,7 @@ def convert_tensors(reader: Any, info: GgufModelInfo, progress: bool | None = No
         if name not in shapes or w.shape != gguf_shape or gguf_shape != shapes[name]:
             raise DemoModelError(f"GGUF tensor {tensor.name} ({tensor.tensor_type.name}) dequantized to "
                                  f"{w.shape}, expected {shapes.get(name)} for {name}")
-        if tensor.name.endswith(".attn_q.weight"):
-            w = unpermute_rotary_rows(w, info.num_heads)
-        elif tensor.name.endswith(".attn_k.weight"):
-            w = unpermute_rotary_rows(w, info.num_kv_heads)
+        w = hf_rows(tensor.name, w, info.num_heads, info.num_kv_heads)
         out[name] = np.ascontiguousarray(w, dtype=np.float32)
     missing = sorted(set(shapes) - set(out))
     if missing:

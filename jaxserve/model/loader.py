@@ -16,7 +16,10 @@ With ``quantization`` "int8" or "int4" every linear kernel, the embedding and th
 head are quantized as they are read (``jaxserve.model.quantization``: int8 plus
 a float32 scale per output channel, or packed int4 plus a float32 scale per group
 of 32 inputs, computed from the float32 tensor), so the full float model is never
-in memory either.
+in memory either. A directory that names the GGUF file it was converted from
+(``jaxserve.model.gguf_source``: the demo model does) gets its int4 kernels whose
+GGUF tensors are Q4_1 from that file's blocks instead, exactly as stored
+(``quantization.int4_from_q4_1``), fused and row-ordered by the same table.
 
 A model directory may instead hold a parameter checkpoint that
 ``save_model_checkpoint`` wrote (``jaxserve.model.checkpoint``: Orbax, the
@@ -41,7 +44,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.config import ModelConfig
-from jaxserve.model import checkpoint, quantization as quant, sharding
+from jaxserve.model import checkpoint, gguf_source, quantization as quant, sharding
 from jaxserve.model.graph import StaticGraph
 from jaxserve.model.llama import CausalLM
 
@@ -50,7 +53,7 @@ logger = logging.getLogger(__name__)
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 LOAD_FORMATS = ("auto", "safetensors", "orbax")
 # What a checkpoint directory keeps of the Hugging Face directory besides the weights.
-_NOT_COPIED = ("*.safetensors", "model.safetensors.index.json")
+_NOT_COPIED = ("*.safetensors", "model.safetensors.index.json", gguf_source.GGUF_SOURCE_FILE)
 
 
 def served_dtype(dtype: str, platform: str) -> str:
@@ -208,6 +211,25 @@ def _read_param(index: "_SafetensorsIndex", param_path: tuple, dtype: jnp.dtype,
     return combine(*(index.get(n).astype(jnp.float32) for n in names)).astype(dtype), names
 
 
+def _read_q4_1(source: gguf_source.GgufSource, param_path: tuple, layout: _FusedLayout,
+               scanned: bool) -> tuple[jax.Array, jax.Array, list[str]] | None:
+    """One int4 kernel and its scale from the GGUF source's Q4_1 blocks (stacked over the
+    layers when scanned), or None when any of its tensors is not Q4_1 there."""
+    if scanned and param_path[0] == "layers":
+        parts = [_read_q4_1(source, ("layers", i, *param_path[1:]), layout, False)
+                 for i in range(layout.config.num_layers)]
+        if any(part is None for part in parts):
+            return None
+        packed, scales, names = zip(*parts)
+        return jnp.stack(packed), jnp.stack(scales), [n for layer in names for n in layer]
+    names, combine = _hf_sources(param_path, layout)
+    rows = [source.q4_1_rows(n) for n in names]
+    if any(r is None for r in rows):
+        return None
+    packed, scales = zip(*(quant.int4_from_q4_1(jnp.asarray(r)) for r in rows))
+    return combine(*packed), combine(*scales), names  # row operations: blocks move whole
+
+
 def load_model(model_dir: str | os.PathLike | None = None, dtype: str | jnp.dtype = "float32",
                scan_layers: bool = False, mesh=None, load_format: str = "auto",
                quantization: str | None = None) -> tuple[ModelConfig, StaticGraph, dict]:
@@ -226,8 +248,10 @@ def load_model(model_dir: str | os.PathLike | None = None, dtype: str | jnp.dtyp
         checkpoint when the directory has one, else safetensors).
       quantization: None, "int8" or "int4": weight-only int8 / group-wise int4
         quantized at load time (``jaxserve.model.quantization``; int4 needs the
-        kernels' input dimensions to be multiples of 32 and no mesh); a parameter
-        checkpoint must have been saved with the same method.
+        kernels' input dimensions to be multiples of 32 and no mesh), int4 kernels
+        stored as Q4_1 in the directory's GGUF source taken from its blocks
+        (``gguf_source``); a parameter checkpoint must have been saved with the same
+        method.
 
     Returns:
       (config, graph, params): ``graph.merge(params)`` is the model; ``params``
@@ -278,21 +302,30 @@ def load_model(model_dir: str | os.PathLike | None = None, dtype: str | jnp.dtyp
     # With a mesh, tensors are combined on the host (JAX's CPU device), then each
     # device receives its slice; without, on the default device.
     host = None if mesh is None else jax.local_devices(backend="cpu")[0]
+    source = gguf_source.open_gguf_source(path) if quantization == "int4" else None
     abstracts = dict(nnx.to_flat_state(state))
-    filled = {}
+    filled, from_gguf = {}, 0
     for param_path, abstract in abstracts.items():
         name = param_path[-1]
         if isinstance(name, str) and name.endswith(quant.SCALE_SUFFIX):
             continue  # filled with its kernel
         quantized = quantization is not None and name in quant.QUANTIZED_PARAMS
+        method = quant.method_for(name, quantization) if quantized else None
+        scale_path = (*param_path[:-1], f"{name}{quant.SCALE_SUFFIX}")
         with jax.default_device(host):
-            value, names = _read_param(index, param_path, jnp.float32 if quantized else dtype,
-                                       layout, scan_layers)
-            values = {param_path: value}
-            if quantized:  # from the float32 tensor: the quantized kernel + its scale
-                scale_path = (*param_path[:-1], name + quant.SCALE_SUFFIX)
-                values[param_path], values[scale_path] = quant.quantize(
-                    value, quant.method_for(name, quantization))
+            direct = (None if source is None or method != "int4" else
+                      _read_q4_1(source, param_path, layout, scan_layers))
+            if direct is not None:  # as the GGUF file stores it
+                packed, scale, names = direct
+                values = {param_path: packed, scale_path: scale}
+                from_gguf += 1
+            else:
+                value, names = _read_param(index, param_path,
+                                           jnp.float32 if quantized else dtype, layout,
+                                           scan_layers)
+                values = {param_path: value}
+                if quantized:  # from the float32 tensor: the quantized kernel + its scale
+                    values[param_path], values[scale_path] = quant.quantize(value, method)
         for filled_path, value in values.items():
             expected = abstracts[filled_path]
             if value.shape != expected.shape:
@@ -303,6 +336,8 @@ def load_model(model_dir: str | os.PathLike | None = None, dtype: str | jnp.dtyp
             filled[filled_path] = sharding.place(value, target)
     state = nnx.from_flat_state([(p, v.replace(filled[p])) for p, v in nnx.to_flat_state(state)])
     params = nnx.to_pure_dict(state)
+    if source is not None:
+        logger.info("%d int4 kernels taken from the Q4_1 blocks of %s", from_gguf, source.path)
     logger.info("loaded %s (%s, %d layers, TP=%d) in %.1f s", path, config.architecture,
                 config.num_layers, tp, time.perf_counter() - start)
     return config, StaticGraph(graphdef), params

@@ -54,6 +54,14 @@ of the group size (``check_model`` refuses other models at start-up).
 For int8 a zero row gets scale 1 and q = 0, and the error is at most ``scale / 2``
 per element (round to nearest).
 
+**From a GGUF file's Q4_1 blocks.** A llama.cpp ``block_q4_1`` (ggml-common.h; the
+``gguf`` package's ``gguf.quants.Q4_1``) is float16 d, float16 m and 16 bytes of 32
+nibbles in the order above, w = q · d + m: int4's group, packing and formula, so
+``int4_from_q4_1`` takes a Q4_1 tensor's bytes as the packed kernel and widens (d, m)
+to the float32 scale, exactly (``dequantize`` then gives ``gguf.quants.dequantize``'s
+values bit for bit). Q8_0 has no such mapping to int8: its float16 step is per block of
+32 inputs, int8's per output channel.
+
 Quantized at load time from the float checkpoint (``jaxserve.model.loader``):
 every linear kernel of the decoder (the fused ``qkv_proj`` and
 ``gate_up_proj``, ``o_proj``, ``down_proj``), the LM head and the embedding
@@ -157,6 +165,33 @@ def unpack_int4(packed: jax.Array) -> jax.Array:
     runs = packed.reshape(*packed.shape[:-1], packed.shape[-1] * 2 // PACK, PACK // 2)
     nib = jnp.stack([runs & 15, runs >> 4], axis=-2)  # [..., in / 32, 2, 16]
     return nib.reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
+# Bytes of one llama.cpp block_q4_1: float16 d, float16 m, PACK / 2 bytes of nibbles.
+Q4_1_BLOCK_BYTES = 4 + PACK // 2
+
+
+def int4_from_q4_1(blocks: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """A Q4_1 tensor's rows → the int4 kernel and its scale, exactly (module docstring).
+
+    ``blocks`` u8[..., out, in / 32 · 20]: each row's ``block_q4_1`` structs in input
+    order, as a GGUF file stores a Q4_1 tensor ``[ne1 = out, ne0 = in]``. Returns
+    (packed u8[..., out, in / 2], scale f32[..., out, in / 32, 2] of (d, m)), ``quantize``'s
+    int4 format at ``GROUP_SIZE`` 32 (a block's 32 inputs are one group).
+
+    Raises:
+      ValueError: a last axis that is not a whole number of 20-byte blocks.
+    """
+    assert GROUP_SIZE == PACK, "a Q4_1 block is one int4 group"
+    if blocks.dtype != jnp.uint8 or blocks.shape[-1] % Q4_1_BLOCK_BYTES:
+        raise ValueError(f"Q4_1 rows must be uint8 whole {Q4_1_BLOCK_BYTES}-byte blocks, got "
+                         f"{blocks.dtype}{list(blocks.shape)}")
+    rows = blocks.shape[:-1]
+    structs = blocks.reshape(*rows, -1, Q4_1_BLOCK_BYTES)  # [..., out, in / 32, 20]
+    d_m = jax.lax.bitcast_convert_type(structs[..., :4].reshape(*structs.shape[:-1], 2, 2),
+                                       jnp.float16)  # [..., out, in / 32, 2] (little-endian)
+    packed = structs[..., 4:].reshape(*rows, -1)  # [..., out, in / 2]
+    return packed, d_m.astype(jnp.float32)
 
 
 def method_of(q: jax.Array) -> str:

