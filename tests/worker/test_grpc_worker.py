@@ -12,6 +12,7 @@ seeded, whose draws depend only on (seed, position), not on step ids.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import queue
 import random
 import signal
@@ -24,7 +25,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from jaxserve.engine import CacheConfig, EngineConfig, EngineCore, EngineCoreRequest, SchedulerConfig
-from jaxserve.engine.config import CompileConfig
+from jaxserve.engine import scheduler as scheduler_module
+from jaxserve.engine.config import CompileConfig, SpeculativeConfig
 from jaxserve.engine.grpc_worker import GrpcWorker, start_worker_process
 from jaxserve.model.loader import load_model
 from jaxserve.sampling_params import SamplingParams
@@ -33,6 +35,7 @@ from jaxserve.worker import InProcessWorker, server
 from jaxserve.worker.executables import BACKGROUND_VARIANTS
 from jaxserve.worker.sampler import COMPILED_VARIANTS
 from tests.model.hf_tiny import make_tiny_model
+from tests.worker.speculative_oracle import OracleProposer
 
 VOCAB = 256
 T_LADDER, R_LADDER = (1, 4, 8, 16, 32), (1, 2, 4, 8)
@@ -97,7 +100,7 @@ def _run(engine, requests):
     return got
 
 
-def test_grpc_worker_matches_the_in_process_worker(tiny_dir):
+def test_grpc_worker_matches_the_in_process_worker(tiny_dir, monkeypatch):
     requests = _requests(5)
     first = EngineCore(_config(tiny_dir), InProcessWorker(load_model(tiny_dir), progress=False))
     reference = _run(first, requests)
@@ -120,6 +123,21 @@ def test_grpc_worker_matches_the_in_process_worker(tiny_dir):
                 assert a.rank == b.rank and a.top_token_ids == b.top_token_ids, key
                 # Preempted rows are recomputed in other T buckets, whose products sum in
                 # another order: float32 rounding, a few parts per million.
+                np.testing.assert_allclose([a.logprob, *a.top_logprobs],
+                                           [b.logprob, *b.top_logprobs], rtol=1e-5, atol=1e-5)
+        # Speculative decoding over the wire: drafts in the plans, num_accepted back.
+        monkeypatch.setattr(scheduler_module, "propose_ngram", OracleProposer(
+            [prompt + reference[(rid, i)][0] for rid, prompt, sp in requests
+             for i in range(sp.n)], VOCAB))
+        spec = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1,
+                                 prompt_lookup_max=2)
+        engine = EngineCore(dataclasses.replace(_config(tiny_dir), speculative_config=spec),
+                            GrpcWorker(address))
+        got = _run(engine, requests)
+        assert engine.stats().spec_decode_num_accepted_tokens > 0
+        for key, (tokens, logprobs, reasons) in reference.items():
+            assert got[key][0] == tokens and got[key][2] == reasons, key
+            for a, b in zip(got[key][1], logprobs, strict=True):
                 np.testing.assert_allclose([a.logprob, *a.top_logprobs],
                                            [b.logprob, *b.top_logprobs], rtol=1e-5, atol=1e-5)
 

@@ -24,6 +24,7 @@ from jaxserve.model.loader import load_model
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.worker import InProcessWorker
 from tests.model.hf_tiny import make_tiny_model
+from tests.worker.speculative_oracle import OracleProposer
 
 VOCAB = 256
 MAX_LEN = 128
@@ -103,27 +104,15 @@ def test_oracle_drafts_change_no_token(loaded, monkeypatch):
     requests = _requests()
     plain = _engine(loaded)
     want, want_lp = _run(plain, requests)
-    references = [prompt + want[(rid, i)] for rid, prompt, sp in requests for i in range(sp.n)]
-    proposals = []
-
-    def oracle(token_ids, *, num_speculative_tokens, prompt_lookup_min, prompt_lookup_max):
-        seq = token_ids.tolist()
-        for full in references:
-            if full[:len(seq)] == seq and len(full) > len(seq):
-                drafts = full[len(seq):len(seq) + num_speculative_tokens]
-                proposals.append(len(drafts))
-                if len(proposals) % 3 == 0 and len(drafts) > 1:
-                    drafts[1] = (drafts[1] + 1) % VOCAB  # a rejection at the second draft
-                return np.array(drafts, np.int32)
-        return np.zeros(0, np.int32)
-
+    oracle = OracleProposer([prompt + want[(rid, i)] for rid, prompt, sp in requests
+                             for i in range(sp.n)], VOCAB)
     monkeypatch.setattr(scheduler_module, "propose_ngram", oracle)
     engine = _engine(loaded, SPEC)
     got, got_lp = _run(engine, requests)
     _assert_same(got, want, got_lp, want_lp)
     stats = engine.stats()
-    assert stats.spec_decode_num_drafts == len(proposals) > 10
-    assert stats.spec_decode_num_draft_tokens == sum(proposals)
+    assert stats.spec_decode_num_drafts == len(oracle.proposals) > 10
+    assert stats.spec_decode_num_draft_tokens == sum(oracle.proposals)
     # Every third proposal breaks at its second draft; siblings of n=2 may take
     # each other's continuation — still most drafts are accepted.
     assert stats.spec_decode_acceptance_rate > 0.5
