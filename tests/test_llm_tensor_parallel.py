@@ -29,13 +29,19 @@ PARAMS = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
                          ignore_eos=True, repetition_penalty=1.1, logprobs=2)]
 
 
-def _outputs(model_dir, tokenizer_dir, prompts, tensor_parallel_size):
+def _outputs(model_dir, tokenizer_dir, prompts, tensor_parallel_size, speculative_config=None,
+             stats=None):
+    """Tokens and logprobs of ``prompts`` under each of ``PARAMS``; the engine's final
+    ``EngineStats`` is appended to ``stats`` when given."""
     with LLM(str(model_dir), tokenizer=str(tokenizer_dir), max_num_seqs=4,
              max_num_batched_tokens=32, max_model_len=128, strict_recompile=True,
              token_buckets=(8, 32), request_buckets=(4,),
-             tensor_parallel_size=tensor_parallel_size) as llm:
+             tensor_parallel_size=tensor_parallel_size,
+             speculative_config=speculative_config) as llm:
         out = [[o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
                for params in PARAMS]
+        if stats is not None:
+            stats.append(llm.engine.stats())
     return ([[c.token_ids for c in batch] for batch in out],
             [[lp for c in batch for lp in (c.logprobs or [])] for batch in out])
 
@@ -52,13 +58,18 @@ def tiny(tmp_path_factory, demo_model_dir):
 
 def test_tensor_parallel_llm_matches_one_device(tiny, demo_model_dir):
     directory, prompts, want, want_logprobs = tiny
-    for tp in (2, 4):
-        got, logprobs = _outputs(directory, demo_model_dir, prompts, tp)
+    stats = []
+    # TP=2 with speculative decoding too: the verify step is replicated like the sampler.
+    spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1}
+    for tp, speculative_config in ((2, spec), (4, None)):
+        got, logprobs = _outputs(directory, demo_model_dir, prompts, tp, speculative_config,
+                                 stats)
         assert got == want, f"TP={tp}"
         # The sampled tokens' logprobs agree to float32 round-off.
         for a, b in zip(logprobs[1], want_logprobs[1]):
             assert a.keys() == b.keys()
             assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
+    assert stats[0].spec_decode_num_draft_tokens > 0
 
 
 def test_a_saved_checkpoint_gives_the_same_tokens(tiny, demo_model_dir, tmp_path):
