@@ -289,17 +289,25 @@ class EngineCore:
                    for req, sample in zip(scheduled.reqs, scheduled.sample))
 
     def _token_bitmask(self, scheduled: ScheduledStep) -> np.ndarray | None:
-        """i32[s, W]: the sampling rows' allowed tokens; None when none is constrained."""
+        """i32[s, W]: the sampling slots' allowed tokens; None when none is constrained.
+
+        A constrained sequence with drafts has one mask per slot: its grammar's
+        next tokens, then after each draft in turn.
+        """
         if not self._constrained(scheduled):
             return None
-        sampling = [req for req, sample in zip(scheduled.reqs, scheduled.sample) if sample]
         words = -(-self.geometry.vocab_size // 32)
-        mask = np.full((len(sampling), words), -1, np.int32)  # -1: every token allowed
-        for j, req in enumerate(sampling):
+        num_slots = [scheduled.num_slots(i) for i in range(len(scheduled.reqs))]
+        mask = np.full((sum(num_slots), words), -1, np.int32)  # -1: every token allowed
+        j = 0
+        for i, req in enumerate(scheduled.reqs):
             # A sequence the step in flight finished keeps all ones: its token is dropped,
             # and its matcher may have stopped on an error.
-            if req.grammar is not None and not req.is_finished:
-                mask[j] = req.grammar.bitmask()
+            if num_slots[i] and req.grammar is not None and not req.is_finished:
+                drafts = scheduled.drafts[i] if scheduled.drafts else []
+                mask[j:j + num_slots[i]] = (req.grammar.draft_bitmasks(drafts) if drafts
+                                            else req.grammar.bitmask())
+            j += num_slots[i]
         return mask
 
     def _submit(self, planned: tuple[ScheduledStep, StepPlan] | None) -> _InFlight | None:

@@ -294,6 +294,24 @@ class SequenceGrammar:
         out[:n] = words[:n]
         return out
 
+    def valid_drafts(self, drafts: list[int]) -> int:
+        """How many of ``drafts`` (speculative decoding) the grammar allows, in order."""
+        return int(self.matcher.validate_tokens(list(drafts)))
+
+    def draft_bitmasks(self, drafts: list[int]) -> np.ndarray:
+        """i32[d + 1, W]: the tokens allowed next, then after each draft in turn.
+
+        The drafts must be allowed (``valid_drafts``); the matcher consumes them
+        and rolls back, so its state is unchanged.
+        """
+        masks = [self.bitmask()]
+        for token in drafts:
+            if not self.matcher.consume_token(int(token)):
+                raise ValueError(f"draft {token} breaks the grammar: {self.matcher_error()}")
+            masks.append(self.bitmask())
+        self.matcher.rollback(len(drafts))
+        return np.stack(masks)
+
     def matcher_error(self) -> str:
         """llguidance's reason the matcher failed ('' if it did not)."""
         return _llg_error(self.matcher) if self.matcher.is_error() else ""

@@ -32,8 +32,11 @@ samples when the step computes its last known token.
 docs/speculative_decoding.md): once the step is chosen, decoding sequences
 get draft tokens (``ngram_proposer``) while the token budget, the R ladder's
 top (one sampling slot per draft) and free blocks last; a draft never runs a
-sequence past ``max_tokens``, and a sequence with structured outputs gets
-none. Drafts are not the sequence's tokens: ``num_computed_tokens`` and the
+sequence past ``max_tokens`` nor past an EOS or stop token, and a sequence
+with structured outputs keeps only the drafts its grammar allows, before any
+EOS or stop token (each
+draft slot then samples under the mask of the grammar advanced through the
+drafts before it: ``EngineCore._token_bitmask``). Drafts are not the sequence's tokens: ``num_computed_tokens`` and the
 prefix cache count only what ``update`` accepts, so the KV slots written for
 rejected drafts are simply written again later (their blocks stay the
 sequence's).
@@ -254,7 +257,7 @@ class Scheduler:
         for i, req in enumerate(step.reqs):
             if budget <= 0 or slots <= 0:
                 return
-            if not step.sample[i] or step.num_tokens[i] != 1 or req.grammar is not None:
+            if not step.sample[i] or step.num_tokens[i] != 1:
                 continue
             room = req.max_tokens - req.num_output_tokens - 1  # the step emits drafts + 1
             k = min(spec.num_speculative_tokens, budget, slots, room)
@@ -262,11 +265,17 @@ class Scheduler:
                 continue
             drafts = propose_ngram(np.asarray(req.token_ids, np.int32), num_speculative_tokens=k,
                                    prompt_lookup_min=spec.prompt_lookup_min,
-                                   prompt_lookup_max=spec.prompt_lookup_max)
-            if not drafts.size or not self.block_manager.allocate_slots(
+                                   prompt_lookup_max=spec.prompt_lookup_max).tolist()
+            ends = [j for j, t in enumerate(drafts) if t in req.eos_ids or t in req.stop_ids]
+            if ends:  # nothing follows a token that may end the sequence, and a grammar
+                # never consumes one (update ends the sequence first): it is no draft there
+                drafts = drafts[:ends[0] + (req.grammar is None)]
+            if req.grammar is not None:
+                drafts = drafts[:req.grammar.valid_drafts(drafts)]
+            if not drafts or not self.block_manager.allocate_slots(
                     req, req.num_computed_tokens + len(drafts)):
                 continue
-            step.add_drafts(i, drafts.tolist())
+            step.add_drafts(i, drafts)
             budget -= len(drafts)
             slots -= len(drafts)
 

@@ -18,6 +18,8 @@ makes one upload (buffer and bitmask) and one download. With constrained rows
 in flight the next step is still scheduled while the device runs, and
 submitted, its masks from the advanced matchers, once the step's result is
 applied (the outputs validating are the check that the masks were fresh).
+With speculative decoding, drafts on constrained rows sample under the masks of
+the grammar advanced through them: seeded outputs equal the unspeculated ones.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from jaxserve.engine import CacheConfig, EngineConfig, EngineCore, EngineCoreRequest, SchedulerConfig
-from jaxserve.engine.config import CompileConfig
+from jaxserve.engine import scheduler as scheduler_module
+from jaxserve.engine.config import CompileConfig, SpeculativeConfig
 from jaxserve.engine.grammar import GrammarError
 from jaxserve.model.loader import load_model
 from jaxserve.sampling_params import SamplingParams
@@ -40,6 +43,7 @@ from jaxserve.worker import InProcessWorker
 from jaxserve.worker.executables import variant_name
 from jaxserve.worker.sampler import MASKED, MASKED_SAMPLED
 from tests.model.hf_tiny import copy_tokenizer, make_tiny_model
+from tests.worker.speculative_oracle import OracleProposer
 
 SCHEMA = {"type": "object",
           "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
@@ -274,3 +278,40 @@ def test_a_masked_steady_step_makes_one_upload_and_one_download(engine, monkeypa
     engine.abort_requests(["m0", "m1", "plain"])
     while engine.has_unfinished_requests():
         engine.step()
+
+
+def test_drafts_on_constrained_rows_change_no_token(engine, tiny_dir, tokenizer, monkeypatch):
+    """Speculative decoding: a constrained row keeps the drafts its grammar allows, and each
+    draft slot samples under the grammar advanced through the drafts before it — so the
+    seeded outputs are the unspeculated engine's, token for token (oracle drafts, a wrong
+    one every third proposal, cut where the grammar refuses it)."""
+    requests = {f"s{i}": SamplingParams(temperature=1.0, seed=300 + i, max_tokens=60,
+                                        structured_outputs={"json": schema})
+                for i, schema in enumerate([SCHEMA, *SCHEMAS[:7]])}
+    requests["regex"] = SamplingParams(temperature=1.0, seed=9, max_tokens=30,
+                                       structured_outputs={"regex": r"[a-c]{3}-\d{4}"})
+    want, want_reasons = _run(engine, requests)
+    prompt = [5, 9, 14, 3]
+    oracle = OracleProposer([prompt + want[(rid, 0)] for rid in requests], 49152)
+    monkeypatch.setattr(scheduler_module, "propose_ngram", oracle)
+    config = dataclasses.replace(engine.config, speculative_config=SpeculativeConfig(
+        num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=2))
+    spec = EngineCore(config, InProcessWorker(load_model(tiny_dir, "float32"), progress=False))
+    try:
+        got, reasons = {}, {}
+        names = list(requests)
+        for i in range(0, len(names), 2):  # two rows at a time: R = 4 leaves slots for drafts
+            tokens, ends = _run(spec, {rid: requests[rid] for rid in names[i:i + 2]})
+            got.update(tokens)
+            reasons.update(ends)
+        assert got == want and reasons == want_reasons
+        stats = spec.stats()
+        assert stats.spec_decode_num_accepted_tokens > 20
+        assert stats.spec_decode_num_draft_tokens < sum(oracle.proposals)  # cut by grammars
+        assert spec.worker.guard.num_recompiles == 0
+    finally:
+        spec.shutdown()
+    for rid in requests:
+        if rid != "regex":
+            jsonschema.validate(json.loads(_text(tokenizer, got[(rid, 0)])),
+                                requests[rid].structured_outputs.json)
