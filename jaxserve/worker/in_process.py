@@ -33,7 +33,10 @@ processes agree on the KV cache size.
    and, when rows sample, ``run_sampler`` (keyed on R and the sampler
    variant chosen from the rows' parameters) draws the tokens, writes them
    to the rows' ``last_token`` and starts their copy to the host
-   (``copy_to_host_async``), **the step's only download**;
+   (``copy_to_host_async``), **the step's only download**; with draft
+   tokens (speculative decoding) the slots each row kept come back in the
+   same download, and the next dispatch waits for them (the rows' lengths
+   depend on how many drafts were accepted);
 4. only in a step whose rows score prompt tokens (``prompt_logprobs`` set,
    the prompt not yet computed): ``run_prompt_logprobs`` (keyed on T) over
    the body's hidden states of every token, with its own upload (which
@@ -139,19 +142,13 @@ class PendingStep:
         if self._out is None:
             self._done.block_until_ready()
             result = StepResult(self.step_id, np.zeros(0, np.int32))
-        elif not self._logprobs:
-            if self._drafts is None:
-                token_ids = fetch(self._out.token_ids)
-            else:
-                token_ids, kept = fetch((self._out.token_ids, self._drafts[0]))
-            result = StepResult(self.step_id, token_ids[:s])
         else:
-            if self._drafts is None:
-                out = fetch(self._out)
-            else:
-                out, kept = fetch((self._out, self._drafts[0]))
-            result = StepResult(self.step_id, out.token_ids[:s], out.logprob[:s], out.rank[:s],
-                                out.top_token_ids[:s], out.top_logprobs[:s])
+            tree = self._out if self._logprobs else self._out.token_ids
+            out, kept = (fetch(tree), None) if self._drafts is None else fetch(
+                (tree, self._drafts[0]))
+            result = (StepResult(self.step_id, out[:s]) if not self._logprobs else StepResult(
+                self.step_id, out.token_ids[:s], out.logprob[:s], out.rank[:s],
+                out.top_token_ids[:s], out.top_logprobs[:s]))
         if kept is not None:
             _, slots, on_accepted = self._drafts
             starts = (np.cumsum(slots) - slots).astype(np.intp)

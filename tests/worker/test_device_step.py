@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from jaxserve.engine import CacheConfig, EngineConfig, EngineCore, EngineCoreRequest, SchedulerConfig
-from jaxserve.engine.config import CompileConfig
+from jaxserve.engine.config import CompileConfig, SpeculativeConfig
 from jaxserve.model.loader import load_model
 from jaxserve.model.sharding import make_mesh
 from jaxserve.sampling_params import SamplingParams
@@ -53,9 +53,10 @@ def tiny_tp2(tiny_dir):
 
 def _engine(loaded, *, max_num_seqs=8, max_model_len=256, async_scheduling=True,
             precompile=True, request_buckets=(1, 2, 4, 8), token_buckets=(8, 16, 64),
-            tensor_parallel_size=1):
+            tensor_parallel_size=1, speculative_config=None):
     config = EngineConfig(
         max_model_len=max_model_len, seed=1, async_scheduling=async_scheduling,
+        speculative_config=speculative_config,
         tensor_parallel_size=tensor_parallel_size,
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=64,
                                   token_buckets=token_buckets, request_buckets=request_buckets),
@@ -115,6 +116,24 @@ def test_steady_decode_makes_one_upload_and_one_download_per_step(request, monke
         for _ in range(steps):
             tokens += sum(len(out.new_token_ids) for out in engine.step())
     assert tokens == steps * 6
+    assert transfers.uploads == steps and transfers.downloads == steps
+    assert engine.worker.guard.num_recompiles == 0
+    engine.shutdown()
+
+
+def test_a_steady_speculative_step_makes_one_upload_and_one_download(tiny, monkeypatch):
+    """Drafts travel in the step's buffer; the kept slots come back with the tokens."""
+    engine = _engine(tiny, speculative_config=SpeculativeConfig(
+        num_speculative_tokens=2, prompt_lookup_min=1, prompt_lookup_max=2))
+    _start(engine, 3)
+    transfers = _Transfers(monkeypatch)
+    steps, tokens = 30, 0
+    before = engine.stats().spec_decode_num_draft_tokens
+    with jax.transfer_guard("disallow"):
+        for _ in range(steps):
+            tokens += sum(len(out.new_token_ids) for out in engine.step())
+    assert engine.stats().spec_decode_num_draft_tokens > before  # drafts were verified
+    assert tokens >= steps * 3
     assert transfers.uploads == steps and transfers.downloads == steps
     assert engine.worker.guard.num_recompiles == 0
     engine.shutdown()
