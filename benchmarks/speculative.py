@@ -24,7 +24,8 @@ calls (prefill included), median of ``--repeats``; ``speedup`` = with / without
 (the project's targets: >= 1.5 on copy, >= 0.95 on open); the acceptance rate
 (drafts accepted / drafts verified) and the mean accepted length (tokens a
 verifying step emits: 1 + accepted / verifying sequences), from the engine's
-``EngineStats``; steps per output token; compiles in the timed window (should be
+``EngineStats``; steps per output token and ms per step (wall time / steps,
+prefill included: what a verifying step costs against a plain one); compiles in the timed window (should be
 0); and whether every greedy output is token for token the plain engine's
 (``identical``, which must hold — for the seeded workload too: a seeded
 row's draw depends only on its seed and position). Writes ``<results>/speculative.json``.
@@ -119,6 +120,7 @@ def timed_pass(llm, prompt_ids, params) -> tuple[dict[str, Any], list[list[int]]
     steps = engine.num_steps - steps0
     return {"elapsed": elapsed, "output_tokens": tokens, "output_tokens_per_s": tokens / elapsed,
             "steps": steps, "steps_per_token": steps / max(tokens, 1),
+            "ms_per_step": 1e3 * elapsed / max(steps, 1),
             "drafts": drafts, "draft_tokens": draft_tokens, "accepted_tokens": accepted,
             "acceptance_rate": accepted / draft_tokens if draft_tokens else None,
             "mean_accepted_length": 1 + accepted / drafts if drafts else None,
@@ -165,6 +167,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             table[workload] = {
                 "runs": runs, "output_tokens_per_s": median,
                 "speedup": median["ngram"] / median["plain"],
+                "ms_per_step": {name: statistics.median(r["ms_per_step"] for r in rs)
+                                for name, rs in runs.items()},
                 "acceptance_rate": last["acceptance_rate"],
                 "mean_accepted_length": last["mean_accepted_length"],
                 "identical": outputs["ngram"] == outputs["plain"],
@@ -181,13 +185,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv=None) -> int:
     _, result, path = common.run_cli(NAME, __doc__, add_arguments, run, argv)
     print(f"{'workload':9} {'plain tok/s':>12} {'ngram tok/s':>12} {'speedup':>8} "
-          f"{'accept':>7} {'mean len':>9} {'identical':>10}")
+          f"{'accept':>7} {'mean len':>9} {'ms/step plain, ngram':>21} {'identical':>10}")
     for workload, row in result["workloads"].items():
         rate, length = row["acceptance_rate"], row["mean_accepted_length"]
         print(f"{workload:9} {row['output_tokens_per_s']['plain']:12.1f} "
               f"{row['output_tokens_per_s']['ngram']:12.1f} {row['speedup']:8.2f} "
               f"{'-' if rate is None else f'{rate:.2f}':>7} "
-              f"{'-' if length is None else f'{length:.2f}':>9} {str(row['identical']):>10}")
+              f"{'-' if length is None else f'{length:.2f}':>9} "
+              f"{row['ms_per_step']['plain']:10.1f} {row['ms_per_step']['ngram']:10.1f} "
+              f"{str(row['identical']):>10}")
     print(f"written to {path}")
     return 0
 
