@@ -68,3 +68,27 @@ def test_engine_config_refuses_an_unsupported_quantization_in_one_line(bad):
     with pytest.raises(ValueError, match=r"^quantization must be one of None, 'int8', 'int4'; got ") as err:
         EngineConfig(quantization=bad)
     assert "\n" not in str(err.value)
+
+
+def test_speculative_config_reaches_the_engine_process():
+    args = _parse("--speculative-config",
+                  '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}')
+    spec = engine_config(args).speculative_config
+    assert (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_min,
+            spec.prompt_lookup_max) == ("ngram", 4, 3, 3)
+    assert engine_config(_parse(*engine_flags(args))).speculative_config == spec
+    assert "--speculative-config" not in engine_flags(_parse())
+    assert engine_config(_parse()).speculative_config is None
+
+
+@pytest.mark.parametrize("bad, why", [
+    ("{not json", "Expecting property name"), ("[1]", "a JSON object is needed"),
+    ('{"method": "eagle"}', "method must be one of ngram"),
+    ('{"num_speculative_tokens": 0}', "num_speculative_tokens must be >= 1"),
+    ('{"draft_model": "x"}', "unknown key"),
+])
+def test_a_bad_speculative_config_is_refused_by_argparse_naming_the_cause(bad, why, capsys):
+    with pytest.raises(SystemExit):
+        _parse("--speculative-config", bad)
+    err = capsys.readouterr().err
+    assert "--speculative-config" in err and why in err
