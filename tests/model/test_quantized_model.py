@@ -177,7 +177,7 @@ def test_quantized_linear_uses_the_kernel_at_every_row_count_on_the_cpu_only(q, 
 def test_load_model_refuses_an_unknown_method(tmp_path):
     make_tiny_model("LlamaForCausalLM", tmp_path, initializer_range=INIT)
     with pytest.raises(ValueError,
-                       match="quantization must be one of None, 'int8', 'int4'; got 'int3'"):
+                       match="quantization must be one of None, 'int8', 'int4', 'fp8'; got 'int3'"):
         load_model(tmp_path, quantization="int3")
 
 
