@@ -25,7 +25,7 @@ SUPPORTED_ARCHITECTURES = (
 )
 
 # Weight quantization methods (vLLM's ``quantization`` setting; jaxserve.model.quantization).
-QUANTIZATION_METHODS = ("int8", "int4")
+QUANTIZATION_METHODS = ("int8", "int4", "fp8")
 # int4's group: consecutive input elements sharing one scale (jaxserve.model.quantization).
 INT4_GROUP_SIZE = 32
 

@@ -82,9 +82,11 @@ class LLM:
       tensor_parallel_size: devices the model and KV cache are split over
         (docs/scale_out.md); the model's heads must split over them.
       load_format: "auto", "safetensors" or "orbax" (``WorkerInit.load_format``).
-      quantization: None, "int8" or "int4" (vLLM's argument): weight quantized at load
-        time — int8 with a float32 scale per output channel, or int4 with a float32
-        scale per group of 32 inputs (one device only) (docs/model.md).
+      quantization: None, "int8", "int4" or "fp8" (vLLM's argument): weight quantized at
+        load time — int8 with a float32 scale per output channel, int4 with a float32
+        scale per group of 32 inputs (one device only), or fp8: e4m3 weights with a
+        float32 scale per output channel and e4m3 activations scaled per token (a GPU
+        of compute capability >= 8.9 only; refused elsewhere) (docs/model.md).
       speculative_config: speculative decoding (vLLM's argument): a dict such as
         ``{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}``
         or a ``SpeculativeConfig``; None = off (docs/speculative_decoding.md).

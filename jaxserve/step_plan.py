@@ -94,7 +94,8 @@ class WorkerInit:
       load_format: "auto", "safetensors" or "orbax" (``jaxserve.model.loader``:
         convert the Hugging Face weights, or restore the directory's
         parameter checkpoint; auto = the checkpoint when there is one).
-      quantization: None, "int8" or "int4": weight-only int8 / group-wise int4
+      quantization: None, "int8", "int4" or "fp8": weight-only int8 / group-wise int4,
+        or e4m3 weights and activations (fp8, a GPU of compute capability >= 8.9 only),
         quantized at load time (``jaxserve.model.quantization``).
     """
 

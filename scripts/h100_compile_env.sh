@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Deviceless H100 compile tier for pallas_kernels (pytest marker `h100`).
+# Deviceless H100 compile tier for pallas_kernels and fp8 (pytest marker `h100`).
 #
 # Builds an optional, git-ignored virtual environment with the CUDA plugin
 # (it must never leak into the main .venv: with the plugin present, jax looks
@@ -86,4 +86,5 @@ export JAX_PLATFORMS=cpu
 export JAX_ENABLE_COMPILATION_CACHE=false
 export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
 exec "$vpython" -m pytest -m h100 -s -q tests/pallas_kernels/test_h100_compile.py \
+  tests/model/test_fp8_h100.py \
   -p no:cacheprovider "$@"

@@ -1,5 +1,5 @@
-"""``LLM(quantization="int8" | "int4")``, ``jaxserve save-checkpoint -q`` and what reports the
-method.
+"""``LLM(quantization="int8" | "int4")``, ``jaxserve save-checkpoint -q``, what reports the
+method, and fp8's refusal on a CPU.
 
 A tiny random-weight Llama (initializer range 0.02, as real checkpoints). The
 quantized LLM's greedy first tokens are the argmax of the quantized model's logits run
@@ -95,16 +95,33 @@ def test_int4_demo_model_generates_from_its_gguf_blocks(demo_model_dir):
 
 def test_llm_refuses_an_unsupported_quantization_in_one_line(tiny, demo_model_dir):
     directory, _ = tiny
-    with pytest.raises(ValueError, match=r"^quantization must be one of None, 'int8', 'int4'; got 'awq'$"):
+    with pytest.raises(ValueError, match=r"^quantization must be one of None, 'int8', 'int4', 'fp8'; got 'awq'$"):
         LLM(str(directory), tokenizer=str(demo_model_dir), quantization="awq")
 
 
 def test_engine_and_model_info_report_the_quantization():
     geometry = Geometry(num_kv_blocks=9, block_size=16, max_model_len=64, vocab_size=256,
                         eos_token_ids=(0,))
-    for method, reported in (("int8", "int8"), ("int4", "int4"), (None, "")):
+    for method, reported in (("int8", "int8"), ("int4", "int4"), ("fp8", "fp8"), (None, "")):
         core = types.SimpleNamespace(config=EngineConfig(model="/m", quantization=method),
                                      geometry=geometry)
         assert engine_info(core).quantization == reported
-    info = model_info_from_proto(pb.GetModelInfoResponse(model="m", quantization="int8"))
-    assert info.quantization == "int8"
+    for method in ("int8", "fp8"):
+        info = model_info_from_proto(pb.GetModelInfoResponse(model="m", quantization=method))
+        assert info.quantization == method
+
+
+def test_llm_refuses_fp8_on_the_cpu_in_one_line(tiny, demo_model_dir):
+    """fp8 needs fp8 matrix units: the worker refuses it at start-up on a CPU, naming
+    quantization and the platform (its numerics are tested at the function level,
+    tests/model/test_quantization.py)."""
+    import jax
+
+    if jax.default_backend() != "cpu":
+        pytest.skip("the CPU's refusal")
+    directory, _ = tiny
+    with pytest.raises(ValueError, match=r"^quantization='fp8' needs a GPU with fp8 matrix "
+                                         r"units .*platform is cpu") as err:
+        _generate(directory, demo_model_dir, [{"prompt_token_ids": [1, 2, 3]}],
+                  quantization="fp8")
+    assert "\n" not in str(err.value)

@@ -32,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1,
                         help="the tensor-parallel size the checkpoint is for (default 1)")
     parser.add_argument("--quantization", "-q", choices=QUANTIZATION_METHODS, default=None,
-                        help="save the weights quantized (int8 / int4: weight-only, for a "
+                        help="save the weights quantized (int8 / int4 / fp8, for a "
                              "server run with the same --quantization); the checkpoint "
                              "records it")
     parser.add_argument("--force", action="store_true",

@@ -236,9 +236,11 @@ class EngineConfig:
       tensor_parallel_size: devices the worker splits the model over
         (``WorkerInit.tensor_parallel_size``).
       load_format: how the worker reads the weights (``WorkerInit.load_format``).
-      quantization: None (the checkpoint's weights), "int8" or "int4" (vLLM's flag:
-        weight-only int8 / group-wise int4 quantized at load time,
-        ``WorkerInit.quantization``; int4 only with ``tensor_parallel_size`` 1).
+      quantization: None (the checkpoint's weights), "int8", "int4" or "fp8" (vLLM's
+        flag: weight-only int8 / group-wise int4, or e4m3 weights and activations,
+        quantized at load time, ``WorkerInit.quantization``; int4 only with
+        ``tensor_parallel_size`` 1; fp8 only on a GPU of compute capability >= 8.9,
+        which the worker checks).
       speculative_config: speculative decoding, or None (off). With it the
         engine schedules synchronously (a step's drafts need the tokens of the
         step before).

@@ -303,8 +303,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantization", "-q", choices=QUANTIZATION_METHODS, default=None,
                         help="quantize the weights at load time (vLLM's flag): int8 = "
                              "weight-only int8 with a float32 scale per output channel; "
-                             "int4 = weight-only int4, a float32 scale per group of 32 inputs "
-                             "(docs/model.md); default: the checkpoint's weights as "
+                             "int4 = weight-only int4, a float32 scale per group of 32 inputs; "
+                             "fp8 = e4m3 weights (a float32 scale per output channel) and "
+                             "activations (a scale per token), a GPU of compute capability "
+                             ">= 8.9 only (docs/model.md); default: the checkpoint's weights as "
                              "they are")
     parser.add_argument("--speculative-config", type=speculative_config, default=None,
                         metavar="JSON",

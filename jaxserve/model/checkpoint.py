@@ -32,6 +32,7 @@ import os
 import pathlib
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
@@ -70,14 +71,15 @@ def save_params(directory: str | os.PathLike, params: dict, *, config: ModelConf
         is not empty and holds no jaxserve checkpoint (never deleted, even
         with ``force``).
       ValueError: ``dtype`` differs from the dtype of a leaf of ``params``
-        (with ``layout["quantization"]`` set, int8 or packed-int4 uint8 kernels and
-        float32 scales are expected beside ``dtype`` leaves).
+        (with ``layout["quantization"]`` set, int8, packed-int4 uint8 or float8_e4m3fn
+        kernels and float32 scales are expected beside ``dtype`` leaves).
       TypeError: ``layout`` is not JSON-serialisable (nothing is written).
     """
     directory = pathlib.Path(directory).absolute()
     allowed = {np.dtype(dtype)}
-    if (layout or {}).get("quantization"):  # jaxserve.model.quantization: int8 / u8 + f32 scales
-        allowed |= {np.dtype(np.int8), np.dtype(np.uint8), np.dtype(np.float32)}
+    if (layout or {}).get("quantization"):  # jaxserve.model.quantization: i8 / u8 / e4m3 + f32
+        allowed |= {np.dtype(np.int8), np.dtype(np.uint8), np.dtype(jnp.float8_e4m3fn),
+                    np.dtype(np.float32)}
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         if np.dtype(leaf.dtype) not in allowed:
             raise ValueError(f"{jax.tree_util.keystr(path)} is {leaf.dtype}, but dtype={dtype!r}")

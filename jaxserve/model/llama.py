@@ -32,7 +32,9 @@ every kernel above, the embedding and the LM head are int8 ``[out, in]`` with a
 float32 scale per output channel beside them (``<name>_scale``); ``linear`` then
 runs the C++ int8 product on the CPU (``cpu_kernels.matmul_i8``, any row count)
 and ``(x @ q) * scale`` in jnp elsewhere, and the embedding lookup dequantizes
-only the gathered rows. ``quantization="int4"`` makes the decoder's kernels packed
+only the gathered rows. ``quantization="fp8"`` makes the decoder's kernels float8 e4m3
+with a float32 scale per output channel and quantizes each linear's input per token
+(W8A8, XLA's fp8 dot); the embedding and LM head stay float. ``quantization="int4"`` makes the decoder's kernels packed
 int4 ``u8[out, in / 2]`` with a (step, offset) per group of 32 inputs
 ``f32[out, in / 32, 2]`` (``cpu_kernels.matmul_i4`` on the CPU; elsewhere the jnp
 form, which dequantizes the kernel and multiplies) and keeps the embedding and LM
@@ -94,6 +96,8 @@ _QUANTIZED_PRODUCTS = {"int8": (cpu_kernels.matmul_i8, cpu_kernels.matmul_i8_ref
 
 def _quantized_linear(x: jax.Array, q: jax.Array, scale: jax.Array,
                       tensor_parallel: bool) -> jax.Array:
+    if quant.method_of(q) == "fp8":  # XLA's fp8 dot on every platform (no CPU kernel)
+        return quant.matmul_fp8(x, q, scale)
     kernel, reference = _QUANTIZED_PRODUCTS[quant.method_of(q)]
     if (tensor_parallel or x.dtype != jnp.float32 or jax.default_backend() != "cpu"
             or not cpu_kernels.available()):
@@ -112,6 +116,8 @@ def linear(x: jax.Array, kernel: jax.Array, scale: jax.Array | None = None, *,
     x at any row count, the C++ kernel (``cpu_kernels.matmul_i8`` / ``matmul_i4``,
     the integers widened in registers); otherwise (a GPU lowering, a tensor-parallel
     split, another dtype) its jnp form (``matmul_i8_reference`` / ``matmul_i4_reference``).
+    An fp8 kernel f8e4m3[out, in] with scale f32[out] quantizes x per token and runs
+    XLA's fp8 dot everywhere (``quantization.matmul_fp8``).
 
     On the CPU, a float32 product of at most ``cpu_kernels.MATMUL_MAX_ROWS``
     rows runs the C++ kernel (``cpu_kernels.matmul``) where it builds: it reads
@@ -280,10 +286,12 @@ class CausalLM(nnx.Module):
         KV cache must then be stacked too (``init_kv_cache(..., stacked=True)``).
       mesh: the tensor-parallel mesh (``sharding.make_mesh``), None for one
         device; ``config`` is then ``ModelConfig.for_tensor_parallel``'s.
-      quantization: None, "int8" or "int4" (``jaxserve.model.quantization.METHODS``):
+      quantization: None, "int8", "int4" or "fp8" (``jaxserve.model.quantization.METHODS``):
         every linear kernel, the embedding and the LM head int8 with a float32
         scale per output channel; or the decoder's kernels packed int4 with a float32
-        step and offset per group of 32 inputs, the embedding and LM head int8.
+        step and offset per group of 32 inputs, the embedding and LM head int8; or the
+        decoder's kernels float8 e4m3 with a float32 scale per output channel, the
+        embedding and LM head of ``dtype``.
 
     Raises:
       ValueError: an unsupported ``quantization``.
@@ -297,7 +305,7 @@ class CausalLM(nnx.Module):
         self.scan_layers = scan_layers
         self.mesh = mesh
         v, d = config.vocab_size, config.hidden_size
-        # [V, D], [V]; int8 under int4 too (quant.method_for)
+        # [V, D], [V]; int8 under int4 too, float under fp8 (quant.method_for)
         head_method = None if quantization is None else quant.method_for("embed", quantization)
         self.embed, self.embed_scale = _weight(rngs, (v, d), dtype, head_method)
         if scan_layers:  # every parameter [L, ...]

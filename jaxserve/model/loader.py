@@ -15,7 +15,8 @@ parameter, never of the model).
 With ``quantization`` "int8" or "int4" every linear kernel, the embedding and the LM
 head are quantized as they are read (``jaxserve.model.quantization``: int8 plus
 a float32 scale per output channel, or packed int4 plus a float32 scale per group
-of 32 inputs, computed from the float32 tensor), so the full float model is never
+of 32 inputs, computed from the float32 tensor); with "fp8" the decoder's linear
+kernels, as float8 e4m3 plus a float32 scale per output channel. So the full float model is never
 in memory either. A directory that names the GGUF file it was converted from
 (``jaxserve.model.gguf_source``: the demo model does) gets its int4 kernels whose
 GGUF tensors are Q4_1 from that file's blocks instead, exactly as stored
@@ -246,9 +247,11 @@ def load_model(model_dir: str | os.PathLike | None = None, dtype: str | jnp.dtyp
       load_format: "safetensors" (convert the Hugging Face weights), "orbax"
         (restore the directory's parameter checkpoint) or "auto" (the
         checkpoint when the directory has one, else safetensors).
-      quantization: None, "int8" or "int4": weight-only int8 / group-wise int4
-        quantized at load time (``jaxserve.model.quantization``; int4 needs the
-        kernels' input dimensions to be multiples of 32 and no mesh), int4 kernels
+      quantization: None, "int8", "int4" or "fp8": weight-only int8 / group-wise int4
+        / e4m3 weights (with per-token e4m3 activations) quantized at load time
+        (``jaxserve.model.quantization``; int4 needs the kernels' input dimensions to be
+        multiples of 32 and no mesh; fp8 loads on any platform, the worker refuses to
+        serve it without fp8 matrix units), int4 kernels
         stored as Q4_1 in the directory's GGUF source taken from its blocks
         (``gguf_source``); a parameter checkpoint must have been saved with the same
         method.
@@ -309,8 +312,9 @@ def load_model(model_dir: str | os.PathLike | None = None, dtype: str | jnp.dtyp
         name = param_path[-1]
         if isinstance(name, str) and name.endswith(quant.SCALE_SUFFIX):
             continue  # filled with its kernel
-        quantized = quantization is not None and name in quant.QUANTIZED_PARAMS
-        method = quant.method_for(name, quantization) if quantized else None
+        method = (quant.method_for(name, quantization)
+                  if quantization is not None and name in quant.QUANTIZED_PARAMS else None)
+        quantized = method is not None
         scale_path = (*param_path[:-1], f"{name}{quant.SCALE_SUFFIX}")
         with jax.default_device(host):
             direct = (None if source is None or method != "int4" else

@@ -1,9 +1,11 @@
-"""Weight-only quantization (vLLM's ``quantization`` setting): "int8" and "int4".
+"""Weight quantization (vLLM's ``quantization`` setting): "int8", "int4" and "fp8".
 
-Both keep the activations in floating point and store a kernel ``[out, in]`` (as
-``jaxserve.model.llama.linear`` stores them) as integers plus float32 scales; the
-method is a parameter of one code path (``quantize`` / ``dequantize``), and the
-arrays describe their format (int8 values, or uint8 bytes of packed int4 values).
+int8 and int4 are weight-only: they keep the activations in floating point and store
+a kernel ``[out, in]`` (as ``jaxserve.model.llama.linear`` stores them) as integers
+plus float32 scales. fp8 stores it as float8 e4m3 values plus float32 scales and
+quantizes the activations too (W8A8). The method is a parameter of one code path
+(``quantize`` / ``dequantize``), and the arrays describe their format (int8 values,
+uint8 bytes of packed int4 values, or float8_e4m3fn values).
 
 **int8** — symmetric, one scale per output channel: ``q i8[out, in]``,
 ``scale f32[out]``,
@@ -54,6 +56,34 @@ of the group size (``check_model`` refuses other models at start-up).
 For int8 a zero row gets scale 1 and q = 0, and the error is at most ``scale / 2``
 per element (round to nearest).
 
+**fp8** — e4m3 (OCP 8-bit floating point specification, OFP8 rev. 1.0, 2023: 4
+exponent bits, 3 mantissa bits, no infinities, largest finite value ``FP8_MAX`` = 448),
+symmetric, one scale per output channel: ``q f8e4m3[out, in]``, ``scale f32[out]``,
+
+    scale[o] = max_i |w[o, i]| / 448,   q[o, i] = e4m3(w[o, i] / scale[o])
+
+(round to nearest even, the ratio clipped to [-448, 448] since an out-of-range convert
+is NaN; a zero row gets scale 1). With 3 mantissa bits, rounding a ratio in e4m3's
+normal range (|w / scale| >= 2^-6) errs by at most half a unit in the last place, 2^-4
+of its magnitude; below it the subnormals are spaced 2^-9, so the error is at most
+max(|w| · 2^-4, 2^-10 · scale) per element. The activations
+are quantized the same way at run time, one scale per token (row), by
+``matmul_fp8``: ``x_scale[t] = max_i |x[t, i]| / 448``; the product is XLA's dot of
+the two e4m3 operands (``preferred_element_type`` the activations' dtype: bfloat16
+on a GPU), which XLA lowers on Hopper to cuBLASLt's fp8 GEMM (custom call
+``__cublas$lt$matmul$f8``) or a Triton GEMM fusion over fp8 operands, then rescaled by
+``x_scale[t] · scale[o]``. This is vLLM's ``fp8`` method for a float checkpoint
+(``Fp8LinearMethod``: weights quantized at load with per-channel or per-tensor scales,
+dynamic per-token activation scales). fp8 needs fp8 matrix units: a GPU of compute
+capability 8.9 or higher (``check_platform``; elsewhere it is refused at start-up,
+though the numerics run anywhere at the function level).
+
+*Which kernels under fp8*: the decoder's linear kernels; the embedding and the LM head
+stay in the model's float dtype (``method_for`` gives None), as vLLM's fp8 keeps
+``lm_head`` and ``embed_tokens`` unquantized: the logits feed sampling directly, the
+head is one GEMM among 4 · L + 1, and an e4m3 embedding row would be dequantized back
+to the float dtype anyway (no fp8 product to gain).
+
 **From a GGUF file's Q4_1 blocks.** A llama.cpp ``block_q4_1`` (ggml-common.h; the
 ``gguf`` package's ``gguf.quants.Q4_1``) is float16 d, float16 m and 16 bytes of 32
 nibbles in the order above, w = q · d + m: int4's group, packing and formula, so
@@ -65,7 +95,7 @@ values bit for bit). Q8_0 has no such mapping to int8: its float16 step is per b
 Quantized at load time from the float checkpoint (``jaxserve.model.loader``):
 every linear kernel of the decoder (the fused ``qkv_proj`` and
 ``gate_up_proj``, ``o_proj``, ``down_proj``), the LM head and the embedding
-table. The embedding ``[V, D]`` is quantized as the tied LM head is (its rows are
+table (fp8: the decoder's kernels only). The embedding ``[V, D]`` is quantized as the tied LM head is (its rows are
 the output channels), and a lookup dequantizes the gathered rows
 (``embed_lookup``). In the parameter pytree a quantized kernel ``name`` keeps
 its name (now int8 or packed uint8) and gains a sibling ``name + SCALE_SUFFIX``
@@ -89,6 +119,12 @@ QUANTIZED_PARAMS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "embed", 
 # The parameters "int4" keeps at int8 (module docstring, *Which kernels*).
 INT4_INT8_PARAMS = ("embed", "lm_head")
 _QMAX = 127
+# The largest finite float8 e4m3 value (OCP OFP8 spec: S.1111.110 = 1.75 · 2^8), which is
+# jnp.finfo(jnp.float8_e4m3fn).max.
+FP8_MAX = 448.0
+FP8_DTYPE = jnp.float8_e4m3fn
+# fp8 matrix units (cuBLASLt's fp8 GEMM): NVIDIA compute capability 8.9 (Ada) and later.
+FP8_MIN_COMPUTE_CAPABILITY = (8, 9)
 # int4 values are packed in runs of this many inputs (16 bytes: low nibbles, high nibbles).
 PACK = 32
 
@@ -121,10 +157,36 @@ def check_model(config, quantization: str | None, tensor_parallel_size: int = 1)
             check_int4_shape(dim, name=name)
 
 
-def method_for(name: str, quantization: str) -> str:
+def check_platform(quantization: str | None, platform: str,
+                   compute_capability: str | None = None) -> None:
+    """Start-up check of a method against the worker's platform ("cpu", "gpu", "tpu") and,
+    on a GPU, its compute capability ("9.0"): fp8 needs fp8 matrix units, a GPU of compute
+    capability >= ``FP8_MIN_COMPUTE_CAPABILITY``; every other method runs anywhere.
+
+    Raises:
+      ValueError: one line naming ``quantization`` and the reason.
+    """
+    if quantization != "fp8":
+        return
+    if platform != "gpu":
+        raise ValueError(f"quantization='fp8' needs a GPU with fp8 matrix units (compute "
+                         f"capability >= 8.9: Ada, Hopper or later); this worker's platform "
+                         f"is {platform} (use int8 there)")
+    if compute_capability is not None:
+        major, minor = (int(part) for part in compute_capability.split(".")[:2])
+        if (major, minor) < FP8_MIN_COMPUTE_CAPABILITY:
+            raise ValueError(f"quantization='fp8' needs a GPU of compute capability >= 8.9 "
+                             f"(Ada, Hopper or later) for fp8 matrix units; this one is "
+                             f"{compute_capability} (use int8 there)")
+
+
+def method_for(name: str, quantization: str) -> str | None:
     """The method parameter ``name`` (one of ``QUANTIZED_PARAMS``) gets under ``quantization``:
-    int4 keeps ``INT4_INT8_PARAMS`` at int8."""
-    return "int8" if quantization == "int4" and name in INT4_INT8_PARAMS else quantization
+    int4 keeps ``INT4_INT8_PARAMS`` at int8; fp8 keeps them unquantized (None; module
+    docstring, *Which kernels under fp8*)."""
+    if name in INT4_INT8_PARAMS and quantization in ("int4", "fp8"):
+        return "int8" if quantization == "int4" else None
+    return quantization
 
 
 def quantize(w: jax.Array, method: str = "int8", group_size: int = GROUP_SIZE
@@ -132,26 +194,53 @@ def quantize(w: jax.Array, method: str = "int8", group_size: int = GROUP_SIZE
     """w [..., out, in] (any float dtype) → the quantized kernel and its scale (float32 math).
 
     int8: (q i8[..., out, in], scale f32[..., out]). int4: (packed u8[..., out, in / 2],
-    scale f32[..., out, in / group_size, 2] of (step, offset)). Leading axes (a scanned
-    model's ``[L]``) are kept. Formulas: the module docstring.
+    scale f32[..., out, in / group_size, 2] of (step, offset)). fp8: (q f8e4m3[..., out,
+    in], scale f32[..., out]). Leading axes (a scanned model's ``[L]``) are kept.
+    Formulas: the module docstring.
 
     Raises:
       ValueError: an unknown method, or (int4) ``in`` not a multiple of ``group_size``.
     """
     wf = w.astype(jnp.float32)
-    if method == "int8":
-        absmax = jnp.max(jnp.abs(wf), axis=-1)  # [..., out]
-        scale = jnp.where(absmax > 0, absmax / _QMAX, 1.0).astype(jnp.float32)
-        q = jnp.clip(jnp.round(wf / scale[..., None]), -_QMAX, _QMAX).astype(jnp.int8)
-        return q, scale
+    if method in ("int8", "fp8"):
+        return _absmax_quantize(wf, method)
     if method != "int4":
-        raise ValueError(f"quantize: method must be 'int8' or 'int4', got {method!r}")
+        raise ValueError(f"quantize: method must be 'int8', 'int4' or 'fp8', got {method!r}")
     check_int4_shape(w.shape[-1], group_size)
     groups = wf.reshape(*w.shape[:-1], w.shape[-1] // group_size, group_size)
     low, high = jnp.min(groups, axis=-1), jnp.max(groups, axis=-1)  # [..., out, in / G]
     step = jnp.where(high > low, (high - low) / 15, 1.0)
     q = jnp.clip(jnp.round((groups - low[..., None]) / step[..., None]), 0, 15)
     return _pack(q.reshape(w.shape).astype(jnp.uint8)), jnp.stack([step, low], axis=-1)
+
+
+def _absmax_quantize(x: jax.Array, method: str) -> tuple[jax.Array, jax.Array]:
+    """f32[..., n] → (int8 or e4m3 values [..., n], scale f32[...]): one symmetric scale per
+    row, ``max |x| / qmax`` (1 for a zero row); int8 rounds to an integer, fp8 to the
+    nearest e4m3 value (XLA's convert: round to nearest even)."""
+    qmax = _QMAX if method == "int8" else FP8_MAX
+    absmax = jnp.max(jnp.abs(x), axis=-1)  # [...]
+    scale = jnp.where(absmax > 0, absmax / qmax, 1.0).astype(jnp.float32)
+    ratio = jnp.clip(x / scale[..., None], -qmax, qmax)  # an out-of-range e4m3 convert is NaN
+    if method == "int8":
+        return jnp.round(ratio).astype(jnp.int8), scale
+    return ratio.astype(FP8_DTYPE), scale
+
+
+def matmul_fp8(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
+    """x [..., in] (float) times an fp8 kernel (q f8e4m3[out, in], scale f32[out]) → [..., out]
+    of x's dtype, W8A8 (module docstring, **fp8**).
+
+    Each row (token) of x is quantized to e4m3 with its own scale ``max |x[t]| / 448``,
+    the two e4m3 operands go to one ``dot_general`` with ``preferred_element_type``
+    x's dtype (on Hopper, cuBLASLt's fp8 GEMM or a Triton fp8 GEMM fusion; on a CPU XLA
+    widens the operands, exactly), and the result is rescaled in float32 by
+    ``x_scale[t] · scale[o]``.
+    """
+    xq, x_scale = _absmax_quantize(x.astype(jnp.float32), "fp8")  # [..., in] e4m3, f32[...]
+    out = jax.lax.dot_general(xq, q, (((x.ndim - 1,), (1,)), ((), ())),
+                              preferred_element_type=x.dtype)  # [..., out]
+    return (out.astype(jnp.float32) * x_scale[..., None] * scale).astype(x.dtype)
 
 
 def _pack(q: jax.Array) -> jax.Array:
@@ -194,26 +283,37 @@ def int4_from_q4_1(blocks: jax.Array) -> tuple[jax.Array, jax.Array]:
     return packed, d_m.astype(jnp.float32)
 
 
+# A quantized kernel's dtype → its method.
+_METHOD_BY_DTYPE = {jnp.dtype(jnp.int8): "int8", jnp.dtype(jnp.uint8): "int4",
+                    jnp.dtype(FP8_DTYPE): "fp8"}
+
+
 def method_of(q: jax.Array) -> str:
-    """The method of a quantized kernel, from its dtype: "int8" (int8) or "int4" (uint8)."""
-    if q.dtype == jnp.int8:
-        return "int8"
-    if q.dtype == jnp.uint8:
-        return "int4"
-    raise ValueError(f"not a quantized kernel: dtype {q.dtype}")
+    """The method of a quantized kernel, from its dtype: "int8" (int8), "int4" (uint8) or
+    "fp8" (float8_e4m3fn).
+
+    Raises:
+      ValueError: any other dtype.
+    """
+    method = _METHOD_BY_DTYPE.get(jnp.dtype(q.dtype))
+    if method is None:
+        raise ValueError(f"not a quantized kernel: dtype {q.dtype}")
+    return method
 
 
 def params_method(params) -> str | None:
     """The quantization method of a parameter pytree (None: no quantized kernel in it)."""
-    dtypes = {jnp.dtype(x.dtype) for x in jax.tree.leaves(params)}
-    return ("int4" if jnp.dtype(jnp.uint8) in dtypes else  # (its embedding is int8)
-            "int8" if jnp.dtype(jnp.int8) in dtypes else None)
+    methods = {_METHOD_BY_DTYPE.get(jnp.dtype(x.dtype)) for x in jax.tree.leaves(params)}
+    for method in ("int4", "fp8", "int8"):  # int4's embedding is int8
+        if method in methods:
+            return method
+    return None
 
 
 def dequantize(q: jax.Array, scale: jax.Array, dtype: jnp.dtype = jnp.float32) -> jax.Array:
-    """A quantized kernel and its scale (``quantize``'s outputs, either method) → the float
+    """A quantized kernel and its scale (``quantize``'s outputs, any method) → the float
     kernel [..., out, in] of ``dtype``: q · scale (int4: q · step + offset of its group)."""
-    if method_of(q) == "int8":
+    if method_of(q) in ("int8", "fp8"):
         return (q.astype(jnp.float32) * scale[..., None]).astype(dtype)
     values = unpack_int4(q).astype(jnp.float32)  # [..., out, in]
     groups = values.reshape(*scale.shape[:-1], -1)  # [..., out, in / G, G]
@@ -230,8 +330,8 @@ def embed_lookup(q: jax.Array, scale: jax.Array, ids: jax.Array, dtype: jnp.dtyp
 def quantize_params(params: dict, quantization: str | None) -> dict:
     """A float model's pure-dict parameters → the quantized model's (a new dict).
 
-    Every ``QUANTIZED_PARAMS`` array is replaced by its quantized values (``method_for``) and a
-    ``+ SCALE_SUFFIX`` sibling is added; everything else is kept. For random
+    Every ``QUANTIZED_PARAMS`` array that ``method_for`` quantizes is replaced by its
+    quantized values and a ``+ SCALE_SUFFIX`` sibling is added; everything else is kept. For random
     models and tests; the loader quantizes tensor by tensor as it reads them.
     ``quantization`` None returns ``params`` unchanged.
 
@@ -246,7 +346,8 @@ def quantize_params(params: dict, quantization: str | None) -> dict:
     for key, value in params.items():
         if isinstance(value, dict):
             out[key] = quantize_params(value, quantization)
-        elif key in QUANTIZED_PARAMS and value is not None:
+        elif (key in QUANTIZED_PARAMS and value is not None
+              and method_for(key, quantization) is not None):
             out[key], out[key + SCALE_SUFFIX] = quantize(value, method_for(key, quantization))
         else:
             out[key] = value

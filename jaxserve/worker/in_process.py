@@ -214,14 +214,18 @@ class InProcessWorker:
         """Loads the model, sizes and allocates the KV cache and rows, compiles the ladders.
 
         Raises:
-          ValueError: a KV cache of fewer than 2 blocks, or a ladder above the
-            limits (T above the token budget is fine; R above max_num_seqs not).
+          ValueError: a KV cache of fewer than 2 blocks, a ladder above the
+            limits (T above the token budget is fine; R above max_num_seqs not),
+            or fp8 on a device without fp8 matrix units (``quantization.check_platform``).
         """
         start = time.perf_counter()
         init = dataclasses.replace(init, dtype=served_dtype(init.dtype, jax.default_backend()))
         if max(init.request_buckets) > init.max_num_seqs:
             raise ValueError(f"request_buckets {init.request_buckets} exceed max_num_seqs "
                              f"{init.max_num_seqs}")
+        device = jax.devices()[0]
+        quant.check_platform(init.quantization, device.platform,
+                             getattr(device, "compute_capability", None))
         configure_persistent_cache(init.compilation_cache_dir)
         self.mesh = sharding.make_mesh(init.tensor_parallel_size)
         if jax.process_count() > 1 and (self.mesh is None or len(

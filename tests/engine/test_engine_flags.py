@@ -46,7 +46,7 @@ def test_the_demo_ladder_is_decode_and_the_budget():
     assert (args.max_num_seqs, args.max_num_batched_tokens, args.token_buckets) == (1, 64, ())
 
 
-@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("method", ["int8", "int4", "fp8"])
 @pytest.mark.parametrize("flag", ["--quantization", "-q"])
 def test_quantization_reaches_the_engine_process_and_the_worker(flag, method):
     args = _parse(flag, method)
@@ -58,14 +58,14 @@ def test_quantization_reaches_the_engine_process_and_the_worker(flag, method):
     assert engine_config(default).quantization is None
     assert engine_config(default).worker_init().quantization is None
     with pytest.raises(SystemExit):  # argparse: "invalid choice", exit 2
-        _parse(flag, "fp8")
+        _parse(flag, "awq")
 
 
-@pytest.mark.parametrize("bad", ["fp8", "INT8", "gptq", ""])
+@pytest.mark.parametrize("bad", ["FP8", "INT8", "gptq", ""])
 def test_engine_config_refuses_an_unsupported_quantization_in_one_line(bad):
     from jaxserve.engine.config import EngineConfig
 
-    with pytest.raises(ValueError, match=r"^quantization must be one of None, 'int8', 'int4'; got ") as err:
+    with pytest.raises(ValueError, match=r"^quantization must be one of None, 'int8', 'int4', 'fp8'; got ") as err:
         EngineConfig(quantization=bad)
     assert "\n" not in str(err.value)
 

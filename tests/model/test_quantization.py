@@ -1,9 +1,10 @@
-"""Weight-only int8 quantization (``jaxserve.model.quantization``): the round trip's error
+"""Quantization (``jaxserve.model.quantization``): the int8 and fp8 round trips' error
 bound, the embedding lookup, the parameter-tree rewrite and the method check; int4 taken
 from llama.cpp Q4_1 blocks against the gguf package's dequantization."""
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -49,9 +50,9 @@ def test_quantize_params_rewrites_the_linear_kernels_only():
     assert quantization.quantize_params(params, None) is params
 
 
-@pytest.mark.parametrize("bad", ["fp8", "INT8", "awq", ""])
+@pytest.mark.parametrize("bad", ["FP8", "INT8", "awq", ""])
 def test_unsupported_method_is_refused_in_one_line(bad):
-    with pytest.raises(ValueError, match=r"quantization must be one of None, 'int8', 'int4'") as err:
+    with pytest.raises(ValueError, match=r"quantization must be one of None, 'int8', 'int4', 'fp8'") as err:
         quantization.check_method(bad)
     assert "\n" not in str(err.value) and repr(bad) in str(err.value)
 
@@ -155,3 +156,113 @@ def test_int4_from_q4_1_is_bit_equal_to_ggufs_dequantization():
 def test_int4_from_q4_1_refuses_what_is_not_whole_q4_1_blocks(blocks):
     with pytest.raises(ValueError, match="Q4_1 rows must be uint8 whole 20-byte blocks"):
         quantization.int4_from_q4_1(jnp.asarray(blocks))
+
+
+# fp8 (e4m3) numerics, on any platform: XLA widens fp8 dot operands on the CPU, exactly.
+
+def _e4m3_round(x: np.ndarray) -> np.ndarray:
+    """float32 → the nearest e4m3 value as float64 (ml_dtypes' cast: round to nearest even)."""
+    return x.astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
+
+
+def test_fp8_round_trip_error_is_within_e4m3s_half_ulp():
+    rng = np.random.default_rng(5)
+    # rows of very different magnitudes, heavy tails (subnormal ratios), a zero row, an [L] stack
+    w = rng.standard_t(2, (3, 40, 96)).astype(np.float32) * rng.uniform(1e-3, 10, (3, 40, 1))
+    w[2, 3] = 0.0
+    q, scale = quantization.quantize(jnp.asarray(w), "fp8")
+    assert q.dtype == jnp.float8_e4m3fn and q.shape == w.shape
+    assert scale.dtype == jnp.float32 and scale.shape == (3, 40)
+    absmax = np.abs(w).max(-1)
+    np.testing.assert_allclose(scale, np.where(absmax > 0, absmax / 448, 1), rtol=1e-6)
+    qf = np.asarray(q.astype(jnp.float32))
+    assert np.isfinite(qf).all()
+    np.testing.assert_array_equal(np.abs(qf).max(-1)[absmax > 0], 448.0)  # full range used
+    back = np.asarray(quantization.dequantize(q, scale), np.float64)
+    # 3 mantissa bits: half an ulp is 2^-4 of a normal value (|w / s| >= 2^-6), subnormals
+    # are 2^-9 apart (half: 2^-10 · s); plus float32 rounding of the division
+    s = np.asarray(scale, np.float64)[..., None]
+    bound = np.maximum(np.abs(w) * 2.0 ** -4, s * 2.0 ** -10) * (1 + 1e-5)
+    err = np.abs(back - w)
+    assert (err <= bound).all(), (err / bound).max()
+    assert (err > 0).any()  # not vacuous
+    np.testing.assert_array_equal(back[2, 3], 0.0)
+    # the values are e4m3's rounding of w / s (ml_dtypes' cast, an independent reference)
+    ratio = w / np.asarray(scale)[..., None]
+    np.testing.assert_array_equal(qf, _e4m3_round(np.clip(ratio, -448, 448)))
+
+
+def _fp8_linear_oracle(x: np.ndarray, q: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """W8A8 in NumPy: each row of x quantized to e4m3 (scale max|x| / 448, the ratio taken in
+    float32 as the model does, rounded by ml_dtypes), then the product and both rescales in
+    float64."""
+    x = x.astype(np.float32)
+    absmax = np.abs(x).max(-1)
+    x_scale = np.where(absmax > 0, absmax / np.float32(448), np.float32(1)).astype(np.float32)
+    xq = _e4m3_round(np.clip(x / x_scale[:, None], -448, 448))
+    out = xq @ q.astype(np.float64).T
+    return out * x_scale.astype(np.float64)[:, None] * scale.astype(np.float64)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_fp8_linear_is_the_quantize_then_multiply_oracle(rows):
+    from jaxserve.model.llama import linear
+
+    rng = np.random.default_rng(rows)
+    w = rng.standard_normal((48, 160)).astype(np.float32) * rng.uniform(0.01, 2, (48, 1))
+    x = rng.standard_normal((rows, 160)).astype(np.float32) * rng.uniform(0.1, 30, (rows, 1))
+    x[rows // 2, 3] = 50.0 * np.abs(x).max()  # an outlier sets its row's scale
+    q, scale = quantization.quantize(jnp.asarray(w), "fp8")
+    q64 = np.asarray(q.astype(jnp.float32), np.float64)
+    want = _fp8_linear_oracle(x, q64, np.asarray(scale))
+    got = np.asarray(jax.jit(linear)(jnp.asarray(x), q, scale))
+    assert got.dtype == np.float32
+    # the products of e4m3 values are exact in float32; the sums and rescales round
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
+    # and the W8A8 error against the float product, per output, from both operands' bounds
+    x_err = np.maximum(np.abs(x) * 2.0 ** -4,
+                       np.abs(x).max(-1, keepdims=True) / 448 * 2.0 ** -10)
+    w_err = np.maximum(np.abs(w) * 2.0 ** -4, np.asarray(scale)[:, None] * 2.0 ** -10)
+    bound = np.abs(x) @ w_err.T + x_err @ np.abs(w).T + x_err @ w_err.T
+    exact = x.astype(np.float64) @ w.astype(np.float64).T
+    assert (np.abs(got - exact) <= bound * (1 + 1e-4) + 1e-6 * np.abs(exact).max()).all()
+    # bfloat16 activations (the GPU dtype): the dot's output and the rescale round to bf16
+    got16 = np.asarray(jax.jit(linear)(jnp.asarray(x, jnp.bfloat16), q, scale), np.float64)
+    want16 = _fp8_linear_oracle(np.asarray(jnp.asarray(x, jnp.bfloat16), np.float32), q64,
+                                np.asarray(scale))
+    np.testing.assert_allclose(got16, want16, rtol=2 * 2.0 ** -8,
+                               atol=1e-3 * np.abs(want16).max())
+
+
+def test_fp8_quantizes_the_decoder_kernels_only():
+    params = {"embed": jnp.ones((8, 4)), "lm_head": jnp.ones((8, 4)), "norm": {"weight": jnp.ones(4)},
+              "layers": {0: {"attn": {"qkv_proj": jnp.ones((6, 4)), "o_proj": jnp.ones((4, 4))},
+                             "mlp": {"down_proj": jnp.ones((4, 6))}}}}
+    out = quantization.quantize_params(params, "fp8")
+    assert out["embed"] is params["embed"] and out["lm_head"] is params["lm_head"]
+    assert "embed_scale" not in out and "lm_head_scale" not in out
+    attn = out["layers"][0]["attn"]
+    assert attn["qkv_proj"].dtype == jnp.float8_e4m3fn and attn["qkv_proj_scale"].shape == (6,)
+    assert out["layers"][0]["mlp"]["down_proj"].dtype == jnp.float8_e4m3fn
+    assert quantization.params_method(out) == "fp8"
+    assert quantization.method_of(attn["o_proj"]) == "fp8"
+    assert [quantization.method_for(n, "fp8") for n in ("qkv_proj", "embed", "lm_head")] == [
+        "fp8", None, None]
+
+
+@pytest.mark.parametrize("platform,capability,match", [
+    ("cpu", None, r"needs a GPU with fp8 matrix units .* platform is cpu \(use int8 there\)$"),
+    ("tpu", None, r"needs a GPU .* platform is tpu "),
+    ("gpu", "8.0", r"needs a GPU of compute capability >= 8.9 .* this one is 8.0 \(use int8 there\)$"),
+])
+def test_fp8_is_refused_without_fp8_matrix_units_in_one_line(platform, capability, match):
+    with pytest.raises(ValueError, match=r"^quantization='fp8' " + match) as err:
+        quantization.check_platform("fp8", platform, capability)
+    assert "\n" not in str(err.value)
+
+
+def test_fp8_passes_on_ada_and_hopper_and_other_methods_anywhere():
+    for capability in ("8.9", "9.0", "10.0", None):
+        quantization.check_platform("fp8", "gpu", capability)
+    for method in (None, "int8", "int4"):
+        quantization.check_platform(method, "cpu")
