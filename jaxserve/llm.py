@@ -152,8 +152,7 @@ class LLM:
             scan_layers=scan_layers, tensor_parallel_size=tensor_parallel_size,
             load_format=load_format, quantization=quantization,
             tokenizer=str(tokenizer or path),
-            speculative_config=(SpeculativeConfig.from_dict(speculative_config)
-                                if isinstance(speculative_config, dict) else speculative_config),
+            speculative_config=SpeculativeConfig.of(speculative_config),
             compile=CompileConfig(cache_dir=compilation_cache_dir,
                                   strict_recompile=strict_recompile))
         if worker is None or worker == "in_process":

@@ -170,8 +170,9 @@ class SpeculativeConfig:
         neither gives 5.
 
     Raises:
-      ValueError: an unknown method (naming the supported ones), k < 1, or
-        bounds outside 1 <= min <= max.
+      ValueError: an unknown method (naming the supported ones), a value of the
+        wrong type (an int is needed: not a float, a string, a bool or null),
+        k < 1, or bounds outside 1 <= min <= max.
     """
 
     method: str = "ngram"
@@ -180,6 +181,13 @@ class SpeculativeConfig:
     prompt_lookup_min: int | None = None
 
     def __post_init__(self) -> None:
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            value = getattr(self, name)
+            optional = name != "num_speculative_tokens"
+            if not (isinstance(value, int) and not isinstance(value, bool)) and not (
+                    optional and value is None):
+                raise ValueError(f"speculative_config {name} must be an integer, got "
+                                 f"{value!r}")
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_config method must be one of "
                              f"{', '.join(SPECULATIVE_METHODS)}, got {self.method!r}")
@@ -196,22 +204,40 @@ class SpeculativeConfig:
         if not 1 <= low <= high:
             raise ValueError(f"speculative_config needs 1 <= prompt_lookup_min <= "
                              f"prompt_lookup_max, got {low} and {high}")
-        object.__setattr__(self, "prompt_lookup_min", int(low))
-        object.__setattr__(self, "prompt_lookup_max", int(high))
+        object.__setattr__(self, "prompt_lookup_min", low)
+        object.__setattr__(self, "prompt_lookup_max", high)
 
     @classmethod
     def from_dict(cls, config: dict) -> SpeculativeConfig:
-        """From vLLM's ``speculative_config`` dict (the JSON of ``--speculative-config``).
+        """From vLLM's ``speculative_config`` dict (the JSON of ``--speculative-config``);
+        ``method`` is required, as in vLLM.
 
         Raises:
-          ValueError: a key this engine does not know (naming it), or a bad value.
+          ValueError: not a dict, no ``method``, a key this engine does not know (naming
+            it), or a bad value.
         """
+        if not isinstance(config, dict):
+            raise ValueError(f"speculative_config must be a dict such as {{\"method\": "
+                             f"\"ngram\", \"num_speculative_tokens\": 3}}, got "
+                             f"{type(config).__name__} {config!r}")
         fields = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(config) - fields)
         if unknown:
             raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)}; "
                              f"known: {', '.join(sorted(fields))}")
+        if "method" not in config:
+            raise ValueError(f"speculative_config needs a method (one of "
+                             f"{', '.join(SPECULATIVE_METHODS)})")
         return cls(**config)
+
+    @classmethod
+    def of(cls, config: dict | SpeculativeConfig | None) -> SpeculativeConfig | None:
+        """``LLM``'s argument: None, a ``SpeculativeConfig``, or vLLM's dict (``from_dict``).
+
+        Raises:
+          ValueError: anything else (a JSON string included), or a bad dict.
+        """
+        return config if config is None or isinstance(config, cls) else cls.from_dict(config)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

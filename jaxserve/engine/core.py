@@ -149,6 +149,18 @@ class EngineCore:
                     self.geometry.block_size, self.geometry.max_model_len,
                     self.config.scheduler.token_buckets, self.config.scheduler.request_buckets,
                     "async" if self.async_scheduling else "sync")
+        spec = config.speculative_config
+        if spec is not None:
+            logger.info("speculative decoding: %s, up to %d draft tokens per sequence, "
+                        "prompt lookup %d..%d", spec.method, spec.num_speculative_tokens,
+                        spec.prompt_lookup_min, spec.prompt_lookup_max)
+            sched = self.config.scheduler
+            if sched.request_buckets[-1] <= 1:
+                logger.warning(
+                    "speculative decoding has no room: each draft is a sampling slot, and "
+                    "the R ladder's top (%d, from max_num_seqs %d) is taken by the running "
+                    "sequences alone; raise max_num_seqs (drafts fit while fewer sequences "
+                    "than the top run)", sched.request_buckets[-1], sched.max_num_seqs)
 
     # -------------------------------------------------------------- requests
     def add_request(self, request: EngineCoreRequest) -> None:

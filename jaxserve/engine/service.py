@@ -353,10 +353,13 @@ def speculative_config(text: str) -> SpeculativeConfig:
     """An argparse type: vLLM's ``--speculative-config`` JSON object."""
     try:
         value = json.loads(text)
-        if not isinstance(value, dict):
-            raise ValueError(f"a JSON object is needed, got {text!r}")
+    except ValueError as err:  # json.JSONDecodeError
+        raise argparse.ArgumentTypeError(f"invalid JSON ({err}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"a JSON object is needed, got {text!r}")
+    try:
         return SpeculativeConfig.from_dict(value)
-    except (ValueError, TypeError) as err:  # json.JSONDecodeError is a ValueError
+    except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 

@@ -82,9 +82,11 @@ def test_speculative_config_reaches_the_engine_process():
 
 
 @pytest.mark.parametrize("bad, why", [
-    ("{not json", "Expecting property name"), ("[1]", "a JSON object is needed"),
+    ("{not json", "invalid JSON (Expecting property name"), ("[1]", "a JSON object is needed"),
+    ('{"method": "ngram", "num_speculative_tokens": 2.5}', "must be an integer, got 2.5"),
+    ('{"num_speculative_tokens": 3}', "needs a method"),
     ('{"method": "eagle"}', "method must be one of ngram"),
-    ('{"num_speculative_tokens": 0}', "num_speculative_tokens must be >= 1"),
+    ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens must be >= 1"),
     ('{"draft_model": "x"}', "unknown key"),
 ])
 def test_a_bad_speculative_config_is_refused_by_argparse_naming_the_cause(bad, why, capsys):

@@ -48,3 +48,23 @@ def test_speculative_config_defaults_and_errors_follow_vllm():
         SpeculativeConfig(prompt_lookup_min=3, prompt_lookup_max=2)
     with pytest.raises(ValueError, match="unknown key.* model"):
         SpeculativeConfig.from_dict({"model": "x"})
+    with pytest.raises(ValueError, match="needs a method"):
+        SpeculativeConfig.from_dict({"num_speculative_tokens": 3})
+
+
+@pytest.mark.parametrize("field, value", [
+    ("num_speculative_tokens", 2.5), ("num_speculative_tokens", "3"),
+    ("num_speculative_tokens", None), ("num_speculative_tokens", True),
+    ("prompt_lookup_max", 2.0), ("prompt_lookup_min", "1")])
+def test_speculative_config_values_must_be_integers(field, value):
+    with pytest.raises(ValueError, match=f"^speculative_config {field} must be an integer"):
+        SpeculativeConfig.from_dict({"method": "ngram", field: value})
+
+
+def test_llm_argument_is_none_a_config_or_a_dict():
+    config = SpeculativeConfig(num_speculative_tokens=2)
+    assert SpeculativeConfig.of(None) is None and SpeculativeConfig.of(config) is config
+    assert SpeculativeConfig.of({"method": "ngram"}) == SpeculativeConfig()
+    for bad in ('{"method": "ngram"}', "ngram", 3, [("method", "ngram")]):
+        with pytest.raises(ValueError, match="must be a dict"):
+            SpeculativeConfig.of(bad)

@@ -261,6 +261,9 @@ def test_a_masked_steady_step_makes_one_upload_and_one_download(engine, monkeypa
 
     long_regex = SamplingParams(temperature=1.0, seed=5, max_tokens=80,
                                 structured_outputs={"regex": "[a-z]{1000}"})
+    # Compiled before the count: a grammar still compiling (slow on a loaded machine)
+    # would keep its rows waiting into the counted steps.
+    engine.check_structured_outputs(long_regex)
     engine.add_request(EngineCoreRequest("m0", [5, 9, 14, 3], long_regex))
     engine.add_request(EngineCoreRequest("m1", [5, 9, 14, 3], dataclasses.replace(
         long_regex, seed=6)))
