@@ -38,13 +38,25 @@ def loaded(tmp_path_factory):
     return load_model(directory, "float32")
 
 
+_ENGINES: list[EngineCore] = []
+
+
+@pytest.fixture(autouse=True)
+def _shut_down_engines():
+    """Every engine a test made is shut down after it (its background compiles end)."""
+    yield
+    while _ENGINES:
+        _ENGINES.pop().shutdown()
+
+
 def _engine(loaded, spec=None, num_blocks=200, budget=32):
     config = EngineConfig(
         max_model_len=MAX_LEN, seed=5, speculative_config=spec,
         scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget),
         cache=CacheConfig(block_size=4, num_kv_blocks=num_blocks),
         compile=CompileConfig(strict_recompile=True))
-    return EngineCore(config, InProcessWorker(loaded, progress=False))
+    _ENGINES.append(EngineCore(config, InProcessWorker(loaded, progress=False)))
+    return _ENGINES[-1]
 
 
 def _run(engine, requests):
