@@ -93,16 +93,23 @@ def test_manifest_detects_missing_and_changed_files(tmp_path, demo_model_dir):
     assert manifest_problems(copy) == [f"no readable {MANIFEST_NAME}"]
 
 
-def test_an_older_directory_gets_the_sampling_defaults_without_a_rebuild(tmp_path, demo_model_dir,
-                                                                         monkeypatch):
-    _forbid_rebuild(monkeypatch)
+def _older_copy(demo_model_dir, tmp_path, leave_out=()):
+    """The demo directory as an older build left it: no manifest nor ``leave_out`` files
+    (the weights linked, the rest copied)."""
     target = demo_model.demo_model_path(tmp_path)
     target.mkdir(parents=True)
     for f in demo_model_dir.iterdir():
         if f.name == "model.safetensors":
             (target / f.name).symlink_to(f)
-        elif f.name != MANIFEST_NAME:
+        elif f.name != MANIFEST_NAME and f.name not in leave_out:
             shutil.copy(f, target / f.name)
+    return target
+
+
+def test_an_older_directory_gets_the_sampling_defaults_without_a_rebuild(tmp_path, demo_model_dir,
+                                                                         monkeypatch):
+    _forbid_rebuild(monkeypatch)
+    target = _older_copy(demo_model_dir, tmp_path)
     old = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}  # as built before the defaults
     (target / "generation_config.json").write_text(json.dumps(old, indent=2) + "\n")
     write_manifest(target, {"source": "an older build"})
@@ -123,13 +130,7 @@ def test_an_older_directory_gets_its_gguf_source_record_without_a_rebuild(tmp_pa
     from jaxserve.model.gguf_source import GGUF_SOURCE_FILE, open_gguf_source
 
     _forbid_rebuild(monkeypatch)
-    target = demo_model.demo_model_path(tmp_path)
-    target.mkdir(parents=True)
-    for f in demo_model_dir.iterdir():
-        if f.name == "model.safetensors":
-            (target / f.name).symlink_to(f)
-        elif f.name not in (MANIFEST_NAME, GGUF_SOURCE_FILE):  # as built before the record
-            shutil.copy(f, target / f.name)
+    target = _older_copy(demo_model_dir, tmp_path, (GGUF_SOURCE_FILE,))  # before the record
     write_manifest(target, {"source": "an older build"})
     assert demo_model.build_demo_model(tmp_path) == demo_model.BuildResult(target, False, 0.0, 0.0)
     assert not (target / GGUF_SOURCE_FILE).exists()  # no GGUF in this cache: nothing to name
