@@ -15,12 +15,13 @@ import numpy as np
 import pytest
 import torch
 
-from jaxserve.engine import CacheConfig, EngineConfig, EngineCore, EngineCoreRequest, SchedulerConfig
+from jaxserve.engine import CacheConfig, EngineConfig, EngineCore, SchedulerConfig
 from jaxserve.model.loader import load_model
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.step_plan import NewRow, StepPlan
 from jaxserve.worker import InProcessWorker
 from tests.model.hf_tiny import make_tiny_model
+from tests.worker.engine_runs import run_engine, tracked
 
 VOCAB = 256
 MAX_LEN = 128
@@ -41,19 +42,7 @@ def _engine(loaded, budget=32, num_blocks=200, caching=True, max_num_seqs=8, blo
                                   **sched),
         cache=CacheConfig(block_size=block_size, num_kv_blocks=num_blocks,
                           enable_prefix_caching=caching))
-    return EngineCore(config, InProcessWorker(loaded))
-
-
-def _run(engine, requests):
-    for rid, prompt, sp in requests:
-        engine.add_request(EngineCoreRequest(rid, prompt, sp))
-    tokens, logprobs = {}, {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            tokens.setdefault((out.request_id, out.index), []).extend(out.new_token_ids)
-            if out.new_logprobs:
-                logprobs.setdefault((out.request_id, out.index), []).extend(out.new_logprobs)
-    return tokens, logprobs
+    return tracked(EngineCore(config, InProcessWorker(loaded)))
 
 
 def _hf_last_logits(hf, ids):
@@ -101,7 +90,7 @@ def test_greedy_tokens_and_logprobs_equal_transformers(tiny, variant):
     engine = _engine(loaded, **kwargs)
     prompts = _prompts(1)
     sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
-    tokens, logprobs = _run(engine, [(f"p{i}", p, sp) for i, p in enumerate(prompts)])
+    tokens, logprobs = run_engine(engine, [(f"p{i}", p, sp) for i, p in enumerate(prompts)])
     if variant.endswith("tiny_cache"):
         assert engine.stats().num_preemptions > 0
     for i, prompt in enumerate(prompts):
@@ -127,7 +116,7 @@ def test_penalties_and_min_tokens_follow_the_reference_across_preemption(tiny):
     requests = [("pen0", prompts[0], pen), ("ban", prompts[1], ban), ("plain", prompts[2], plain),
                 ("pen3", prompts[3], pen), ("plain4", prompts[4], plain), ("pen5", prompts[5], pen)]
     engine = _engine(loaded, num_blocks=MAX_LEN // 4 + 1, budget=16)
-    tokens, _ = _run(engine, requests)
+    tokens, _ = run_engine(engine, requests)
     assert engine.stats().num_preemptions > 0
     for rid, prompt, sp in requests:
         want, _ = _hf_greedy(hf, prompt, 8, sp.repetition_penalty, sp.presence_penalty,
@@ -140,16 +129,16 @@ def test_seeded_sampling_is_independent_of_batch_and_preemption(tiny):
     _, loaded, _ = tiny
     prompt = _prompts(3, num=1)[0]
     sp = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=10, ignore_eos=True)
-    alone, _ = _run(_engine(loaded), [("s", prompt, sp)])
+    alone, _ = run_engine(_engine(loaded), [("s", prompt, sp)])
     rng = random.Random(9)
     others = [(f"o{i}", [rng.randrange(3, VOCAB) for _ in range(rng.randrange(5, 60))],
                SamplingParams(temperature=0.8, max_tokens=12, ignore_eos=True))
               for i in range(7)]
     engine = _engine(loaded, num_blocks=MAX_LEN // 4 + 1, budget=16)
-    crowded, _ = _run(engine, others[:4] + [("s", prompt, sp)] + others[4:])
+    crowded, _ = run_engine(engine, others[:4] + [("s", prompt, sp)] + others[4:])
     assert engine.stats().num_preemptions > 0
     assert crowded[("s", 0)] == alone[("s", 0)]
-    sibling, _ = _run(_engine(loaded), [("n", prompt, SamplingParams(
+    sibling, _ = run_engine(_engine(loaded), [("n", prompt, SamplingParams(
         n=2, temperature=1.0, top_p=0.9, seed=1234, max_tokens=10, ignore_eos=True))])
     assert sibling[("n", 0)] == alone[("s", 0)]  # child i uses seed + i (vLLM)
     assert sibling[("n", 1)] != alone[("s", 0)]
@@ -186,7 +175,7 @@ def test_only_ladder_shapes_reach_the_executables(tiny, monkeypatch):
                             seed=rng.choice([None, i]), top_k=rng.choice([0, 20]))
         requests.append((f"r{i}", [rng.randrange(3, VOCAB) for _ in range(rng.randrange(1, 100))],
                          sp))
-    tokens, _ = _run(engine, requests)
+    tokens, _ = run_engine(engine, requests)
     assert len(tokens) == sum(sp.n for _, _, sp in requests)
     pairs = set(engine.worker.executed_buckets)
     assert {t for t, _ in pairs} <= set(t_ladder) and {r for _, r in pairs} <= set(r_ladder) | {0}

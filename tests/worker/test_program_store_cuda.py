@@ -16,6 +16,7 @@ logs one line and the start goes on without the store.
 from __future__ import annotations
 
 import logging
+import threading
 
 import jax
 import numpy as np
@@ -93,13 +94,21 @@ def _check_ran(report) -> None:
     np.testing.assert_array_equal(report.functions["double"](x), x + x)
 
 
+def _store_lines(caplog) -> list[str]:
+    """This thread's "program store off" lines: ``compile_all`` lowers (and so
+    exports and writes) in the calling thread, while a background compile that
+    another test left running logs from its own."""
+    return [r.getMessage() for r in caplog.records
+            if "program store" in r.getMessage() and r.thread == threading.get_ident()]
+
+
 def test_a_store_that_cannot_write_logs_one_line_and_the_start_goes_on(tmp_path, caplog):
     blocked = tmp_path / "not_a_directory"
     blocked.write_text("a file where the store's directory should be")
     with caplog.at_level(logging.WARNING, logger="jaxserve.worker.compile_manager"):
         report = compile_all(_small_ladder(), progress=False, store=ps.ProgramStore(blocked))
     _check_ran(report)
-    lines = [r.getMessage() for r in caplog.records if "program store" in r.getMessage()]
+    lines = _store_lines(caplog)
     assert len(lines) == 1 and str(blocked) in lines[0], lines
     assert report.num_programs_loaded == 0
 
@@ -114,7 +123,7 @@ def test_a_program_export_refuses_compiles_without_the_store(tmp_path, caplog, m
         report = compile_all(_small_ladder(), progress=False,
                              store=ps.ProgramStore(tmp_path / "programs"))
     _check_ran(report)
-    lines = [r.getMessage() for r in caplog.records if "program store" in r.getMessage()]
+    lines = _store_lines(caplog)
     assert len(lines) == 1 and "refuses the custom call" in lines[0], lines
     assert not (tmp_path / "programs").exists()
 

@@ -16,14 +16,15 @@ import random
 import numpy as np
 import pytest
 
-from jaxserve.engine import (CacheConfig, EngineConfig, EngineCore, EngineCoreRequest,
-                             SchedulerConfig, SpeculativeConfig)
+from jaxserve.engine import (CacheConfig, EngineConfig, EngineCore, SchedulerConfig,
+                             SpeculativeConfig)
 from jaxserve.engine import scheduler as scheduler_module
 from jaxserve.engine.config import CompileConfig
 from jaxserve.model.loader import load_model
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.worker import InProcessWorker
 from tests.model.hf_tiny import make_tiny_model
+from tests.worker.engine_runs import run_engine, tracked
 from tests.worker.speculative_oracle import OracleProposer
 
 VOCAB = 256
@@ -38,39 +39,13 @@ def loaded(tmp_path_factory):
     return load_model(directory, "float32")
 
 
-_ENGINES: list[EngineCore] = []
-
-
-@pytest.fixture(autouse=True)
-def _shut_down_engines():
-    """Every engine a test made is shut down after it (its background compiles end)."""
-    yield
-    while _ENGINES:
-        _ENGINES.pop().shutdown()
-
-
 def _engine(loaded, spec=None, num_blocks=200, budget=32):
     config = EngineConfig(
         max_model_len=MAX_LEN, seed=5, speculative_config=spec,
         scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget),
         cache=CacheConfig(block_size=4, num_kv_blocks=num_blocks),
         compile=CompileConfig(strict_recompile=True))
-    _ENGINES.append(EngineCore(config, InProcessWorker(loaded, progress=False)))
-    return _ENGINES[-1]
-
-
-def _run(engine, requests):
-    for rid, prompt, sp in requests:
-        engine.add_request(EngineCoreRequest(rid, prompt, sp))
-    tokens, logprobs = {}, {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            key = (out.request_id, out.index)
-            tokens.setdefault(key, []).extend(out.new_token_ids)
-            if out.new_logprobs:
-                logprobs.setdefault(key, []).extend(out.new_logprobs)
-    assert engine.stats().kv_blocks_used == 0  # every block came back
-    return tokens, logprobs
+    return tracked(EngineCore(config, InProcessWorker(loaded, progress=False)))
 
 
 def _prompts(seed, num):
@@ -115,12 +90,12 @@ def _assert_same(got, want, got_lp, want_lp):
 def test_oracle_drafts_change_no_token(loaded, monkeypatch):
     requests = _requests()
     plain = _engine(loaded)
-    want, want_lp = _run(plain, requests)
+    want, want_lp = run_engine(plain, requests)
     oracle = OracleProposer([prompt + want[(rid, i)] for rid, prompt, sp in requests
                              for i in range(sp.n)], VOCAB)
     monkeypatch.setattr(scheduler_module, "propose_ngram", oracle)
     engine = _engine(loaded, SPEC)
-    got, got_lp = _run(engine, requests)
+    got, got_lp = run_engine(engine, requests)
     _assert_same(got, want, got_lp, want_lp)
     stats = engine.stats()
     assert stats.spec_decode_num_drafts == len(oracle.proposals) > 10
@@ -133,8 +108,8 @@ def test_oracle_drafts_change_no_token(loaded, monkeypatch):
     rid, prompt, sp = requests[0]
     follow = [("follow", prompt + want[(rid, 0)][:20], sp)]
     plain_hits, hits = plain.stats().prefix_cache_hits, stats.prefix_cache_hits
-    got, _ = _run(engine, follow)
-    assert got == _run(plain, follow)[0]
+    got, _ = run_engine(engine, follow)
+    assert got == run_engine(plain, follow)[0]
     new_hits = engine.stats().prefix_cache_hits - hits
     assert new_hits == plain.stats().prefix_cache_hits - plain_hits
     assert new_hits > len(prompt) // 4 * 4  # past the prompt: into the output's blocks
@@ -142,9 +117,9 @@ def test_oracle_drafts_change_no_token(loaded, monkeypatch):
 
 def test_ngram_drafts_change_no_token_across_preemption(loaded):
     requests = _requests()
-    want, want_lp = _run(_engine(loaded), requests)
+    want, want_lp = run_engine(_engine(loaded), requests)
     engine = _engine(loaded, SPEC, num_blocks=MAX_LEN // 4 + 1, budget=16)  # preempts
-    got, got_lp = _run(engine, requests)
+    got, got_lp = run_engine(engine, requests)
     _assert_same(got, want, got_lp, want_lp)
     stats = engine.stats()
     assert stats.num_preemptions > 0
@@ -154,9 +129,9 @@ def test_ngram_drafts_change_no_token_across_preemption(loaded):
 def test_ngram_greedy_outputs_equal_plain_decoding_on_32_prompts(loaded):
     sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     requests = [(f"p{i}", p, sp) for i, p in enumerate(_prompts(11, 32))]
-    want, _ = _run(_engine(loaded), requests)
+    want, _ = run_engine(_engine(loaded), requests)
     engine = _engine(loaded, SPEC)
-    got, _ = _run(engine, requests)
+    got, _ = run_engine(engine, requests)
     assert got == want
     assert engine.stats().spec_decode_num_accepted_tokens > 0
     assert not engine.async_scheduling  # drafts need the step before: planned in order
