@@ -73,9 +73,9 @@ def init_to_proto(init: WorkerInit) -> wpb.InitializeRequest:
         seed_json=json.dumps(int(init.seed)), memory_utilization=init.memory_utilization,
         precompile=init.precompile, strict_recompile=init.strict_recompile,
         scan_layers=init.scan_layers, tensor_parallel_size=init.tensor_parallel_size,
-        load_format=init.load_format)
+        load_format=init.load_format, num_speculative_tokens=init.num_speculative_tokens)
     for field in ("model", "num_kv_blocks", "kv_cache_bytes", "max_model_len",
-                  "attention_backend", "compilation_cache_dir", "quantization"):
+                  "attention_backend", "compilation_cache_dir", "quantization", "draft_model"):
         value = getattr(init, field)
         if value is not None:
             setattr(msg, field, value)
@@ -94,7 +94,8 @@ def init_from_proto(msg: wpb.InitializeRequest) -> WorkerInit:
         strict_recompile=msg.strict_recompile,
         compilation_cache_dir=opt("compilation_cache_dir"), scan_layers=msg.scan_layers,
         tensor_parallel_size=msg.tensor_parallel_size or 1, load_format=msg.load_format or "auto",
-        quantization=opt("quantization"))
+        quantization=opt("quantization"), draft_model=opt("draft_model"),
+        num_speculative_tokens=msg.num_speculative_tokens)
 
 
 def geometry_to_proto(g: Geometry) -> wpb.Geometry:
@@ -169,6 +170,9 @@ def result_to_proto(result: StepResult) -> wpb.StepResult:
     if result.num_accepted is not None:
         msg.has_num_accepted = True
         msg.num_accepted = _to_bytes(result.num_accepted, _I32)
+    if result.draft_token_ids is not None:
+        msg.num_proposed = result.draft_token_ids.shape[1]
+        msg.draft_token_ids = _to_bytes(result.draft_token_ids, _I32)
     if result.logprob is not None:
         msg.has_logprobs = True
         msg.logprob = _to_bytes(result.logprob, _F32)
@@ -209,16 +213,18 @@ def result_from_proto(msg: wpb.StepResult) -> StepResult:
     prompt = (_prompt_from_proto(msg.prompt_logprobs) if msg.HasField("prompt_logprobs")
               else None)
     accepted = _i32("num_accepted", msg.num_accepted) if msg.has_num_accepted else None
+    proposed = (_from_bytes("draft_token_ids", msg.draft_token_ids, _I32, msg.num_proposed)
+                if msg.num_proposed else None)
     if not msg.has_logprobs:
         return StepResult(msg.step_id, token_ids, prompt_logprobs=prompt, num_accepted=accepted,
-                          execute_seconds=msg.execute_seconds, device_seconds=msg.device_seconds)
+                          draft_token_ids=proposed, execute_seconds=msg.execute_seconds, device_seconds=msg.device_seconds)
     width = msg.num_top_logprobs
     return StepResult(msg.step_id, token_ids, _from_bytes("logprob", msg.logprob, _F32),
                       _i32("rank", msg.rank),
                       _top("top_token_ids", msg.top_token_ids, _I32, width, len(token_ids)),
                       _top("top_logprobs", msg.top_logprobs, _F32, width, len(token_ids)),
                       prompt_logprobs=prompt, num_accepted=accepted,
-                      execute_seconds=msg.execute_seconds,
+                      draft_token_ids=proposed, execute_seconds=msg.execute_seconds,
                       device_seconds=msg.device_seconds)
 
 

@@ -97,6 +97,14 @@ class WorkerInit:
       quantization: None, "int8", "int4" or "fp8": weight-only int8 / group-wise int4,
         or e4m3 weights and activations (fp8, a GPU of compute capability >= 8.9 only),
         quantized at load time (``jaxserve.model.quantization``).
+      draft_model: a Hugging Face model directory whose model proposes draft
+        tokens (speculative decoding, method "draft_model"), or None. It must
+        share the target's vocabulary; it is loaded unquantized, with the
+        target's dtype, layer layout and tensor parallelism, and its KV cache
+        has the target's blocks (the same block ids hold both models' keys
+        and values of the same tokens).
+      num_speculative_tokens: k, the draft model's tokens per row per step
+        (with ``draft_model``).
     """
 
     model: str | None
@@ -118,6 +126,8 @@ class WorkerInit:
     tensor_parallel_size: int = 1
     load_format: str = "auto"
     quantization: str | None = None
+    draft_model: str | None = None
+    num_speculative_tokens: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -304,6 +314,9 @@ class StepResult:
         when no row of the plan asked for prompt logprobs.
       num_accepted: i32[sampling rows] the drafts each sampling row accepted,
         or None when the plan had no drafts.
+      draft_token_ids: i32[sampling rows, k] each sampling row's draft model
+        proposal for its next step (greedy tokens after its new last token),
+        or None without a draft model (``WorkerInit.draft_model``).
       execute_seconds: the worker's time for the plan: its host work up to
         the dispatch (diffs, validation, the packed buffer and its upload)
         plus ``device_seconds``, seconds; 0 when not measured.
@@ -322,6 +335,7 @@ class StepResult:
     top_logprobs: np.ndarray | None = None  # [s, NL] f32
     prompt_logprobs: PromptLogprobs | None = None
     num_accepted: np.ndarray | None = None  # [sampling rows] i32
+    draft_token_ids: np.ndarray | None = None  # [sampling rows, k] i32
     execute_seconds: float = 0.0
     device_seconds: float = 0.0
 

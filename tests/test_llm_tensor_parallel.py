@@ -59,9 +59,11 @@ def tiny(tmp_path_factory, demo_model_dir):
 def test_tensor_parallel_llm_matches_one_device(tiny, demo_model_dir):
     directory, prompts, want, want_logprobs = tiny
     stats = []
-    # TP=2 with speculative decoding too: the verify step is replicated like the sampler.
+    # With speculative decoding too: the verify step is replicated like the sampler,
+    # and a draft model (here the model itself) is split over the mesh like the target.
     spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1}
-    for tp, speculative_config in ((2, spec), (4, None)):
+    draft = {"model": str(directory), "num_speculative_tokens": 2}
+    for tp, speculative_config in ((2, spec), (4, draft)):
         got, logprobs = _outputs(directory, demo_model_dir, prompts, tp, speculative_config,
                                  stats)
         assert got == want, f"TP={tp}"
@@ -70,6 +72,7 @@ def test_tensor_parallel_llm_matches_one_device(tiny, demo_model_dir):
             assert a.keys() == b.keys()
             assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
     assert stats[0].spec_decode_num_draft_tokens > 0
+    assert stats[1].spec_decode_num_accepted_tokens > 0
 
 
 def test_a_saved_checkpoint_gives_the_same_tokens(tiny, demo_model_dir, tmp_path):

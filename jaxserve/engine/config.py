@@ -152,7 +152,7 @@ class CompileConfig:
 
 
 # The methods of ``SpeculativeConfig`` (vLLM's ``speculative_config["method"]``).
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 # vLLM's defaults for ngram when neither prompt_lookup bound is given.
 DEFAULT_PROMPT_LOOKUP = 5
 
@@ -162,25 +162,37 @@ class SpeculativeConfig:
     """Speculative decoding (vLLM's ``--speculative-config``; docs/speculative_decoding.md).
 
     Attributes:
-      method: "ngram" (prompt lookup: ``jaxserve.engine.ngram_proposer``).
+      method: "ngram" (prompt lookup: ``jaxserve.engine.ngram_proposer``) or
+        "draft_model" (a smaller model sharing the tokenizer proposes k greedy
+        tokens on the worker after each step: ``WorkerInit.draft_model``).
       num_speculative_tokens: k >= 1, the most draft tokens a sequence carries
         into one step.
       prompt_lookup_max / prompt_lookup_min: the longest / shortest suffix
-        n-gram looked up, in tokens; as vLLM, one given alone sets both, and
-        neither gives 5.
+        n-gram looked up, in tokens (ngram); as vLLM, one given alone sets
+        both, and neither gives 5.
+      model: the draft model's Hugging Face directory (draft_model only).
 
     Raises:
       ValueError: an unknown method (naming the supported ones), a value of the
         wrong type (an int is needed: not a float, a string, a bool or null),
-        k < 1, or bounds outside 1 <= min <= max.
+        k < 1, bounds outside 1 <= min <= max, draft_model without a model or
+        a model with another method.
     """
 
     method: str = "ngram"
     num_speculative_tokens: int = 3
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
+    model: str | None = None
 
     def __post_init__(self) -> None:
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError("speculative_config model (the draft model's directory) is "
+                             "needed with method draft_model, and only with it; got method "
+                             f"{self.method!r}, model {self.model!r}")
+        if self.model is not None and not isinstance(self.model, str):
+            raise ValueError(f"speculative_config model must be a directory path, got "
+                             f"{self.model!r}")
         for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
             value = getattr(self, name)
             optional = name != "num_speculative_tokens"
@@ -210,7 +222,7 @@ class SpeculativeConfig:
     @classmethod
     def from_dict(cls, config: dict) -> SpeculativeConfig:
         """From vLLM's ``speculative_config`` dict (the JSON of ``--speculative-config``);
-        ``method`` is required, as in vLLM.
+        ``method`` is required, except that a ``model`` alone means "draft_model" (vLLM).
 
         Raises:
           ValueError: not a dict, no ``method``, a key this engine does not know (naming
@@ -225,6 +237,8 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)}; "
                              f"known: {', '.join(sorted(fields))}")
+        if "method" not in config and "model" in config:
+            config = {**config, "method": "draft_model"}
         if "method" not in config:
             raise ValueError(f"speculative_config needs a method (one of "
                              f"{', '.join(SPECULATIVE_METHODS)})")
@@ -316,7 +330,13 @@ class EngineConfig:
             precompile=self.compile.precompile, strict_recompile=self.compile.strict_recompile,
             compilation_cache_dir=self.compile.cache_dir, scan_layers=self.scan_layers,
             tensor_parallel_size=self.tensor_parallel_size, load_format=self.load_format,
-            quantization=self.quantization)
+            quantization=self.quantization, **self._draft_init())
+
+    def _draft_init(self) -> dict:
+        spec = self.speculative_config
+        if spec is None or spec.method != "draft_model":
+            return {}
+        return {"draft_model": spec.model, "num_speculative_tokens": spec.num_speculative_tokens}
 
     def resolved(self, geometry: Geometry) -> "EngineConfig":
         """A new config with the worker's geometry filled in.

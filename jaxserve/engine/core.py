@@ -151,9 +151,10 @@ class EngineCore:
                     "async" if self.async_scheduling else "sync")
         spec = config.speculative_config
         if spec is not None:
-            logger.info("speculative decoding: %s, up to %d draft tokens per sequence, "
-                        "prompt lookup %d..%d", spec.method, spec.num_speculative_tokens,
-                        spec.prompt_lookup_min, spec.prompt_lookup_max)
+            logger.info("speculative decoding: %s, up to %d draft tokens per sequence, %s",
+                        spec.method, spec.num_speculative_tokens,
+                        f"draft model {spec.model}" if spec.model else
+                        f"prompt lookup {spec.prompt_lookup_min}..{spec.prompt_lookup_max}")
             sched = self.config.scheduler
             if sched.request_buckets[-1] <= 1:
                 logger.warning(

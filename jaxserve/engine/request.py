@@ -88,7 +88,8 @@ class Request:
         "order", "token_ids", "num_prompt_tokens", "num_computed_tokens", "block_ids",
         "block_hashes", "cacheable", "cache_salt", "row", "num_blocks_sent", "status",
         "max_tokens", "min_tokens", "eos_ids", "stop_ids", "stop_reason", "num_cached_tokens",
-        "num_preemptions", "wants_logprobs", "scheduled_before", "grammar", "prompt_logprobs")
+        "num_preemptions", "wants_logprobs", "scheduled_before", "grammar", "prompt_logprobs",
+        "proposed")
 
     def __init__(self, request_id: str, index: int, group: RequestGroup,
                  prompt_token_ids: list[int], sampling_params: SamplingParams, seed: int | None,
@@ -124,6 +125,9 @@ class Request:
         self.wants_logprobs = sampling_params.logprobs is not None
         self.scheduled_before = False
         self.grammar = None
+        # The draft model's tokens after the last token (speculative decoding, method
+        # draft_model): the next decode step's drafts.
+        self.proposed: list[int] = []
         self.prompt_logprobs: list | None = (
             [None] * (self.num_prompt_tokens - 1)
             if sampling_params.prompt_logprobs is not None and index == 0 else None)

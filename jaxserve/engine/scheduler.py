@@ -30,7 +30,10 @@ samples when the step computes its last known token.
 
 **Speculative decoding** (``EngineConfig.speculative_config``,
 docs/speculative_decoding.md): once the step is chosen, decoding sequences
-get draft tokens (``ngram_proposer``) while the token budget, the R ladder's
+get draft tokens (``ngram_proposer``, or with a draft model the k tokens
+the worker's draft model proposed after the sequence's last token, which
+``update`` keeps; every sampling sequence then gets blocks for k tokens
+ahead where free, for the draft model's keys and values) while the token budget, the R ladder's
 top (one sampling slot per draft) and free blocks last; a draft never runs a
 sequence past ``max_tokens`` nor past an EOS or stop token, and a sequence
 with structured outputs keeps only the drafts its grammar allows, before any
@@ -246,6 +249,8 @@ class Scheduler:
             self._schedule_waiting(step, budget)
         if self.speculative is not None:
             self._propose_drafts(step)
+            if self.speculative.method == "draft_model":
+                self._allocate_lookahead(step)
         step.freed_rows, self.freed_rows = self.freed_rows, []
         return step
 
@@ -263,9 +268,13 @@ class Scheduler:
             k = min(spec.num_speculative_tokens, budget, slots, room)
             if k <= 0:
                 continue
-            drafts = propose_ngram(np.asarray(req.token_ids, np.int32), num_speculative_tokens=k,
-                                   prompt_lookup_min=spec.prompt_lookup_min,
-                                   prompt_lookup_max=spec.prompt_lookup_max).tolist()
+            if spec.method == "draft_model":
+                drafts = req.proposed[:k]
+            else:
+                drafts = propose_ngram(np.asarray(req.token_ids, np.int32),
+                                       num_speculative_tokens=k,
+                                       prompt_lookup_min=spec.prompt_lookup_min,
+                                       prompt_lookup_max=spec.prompt_lookup_max).tolist()
             ends = [j for j, t in enumerate(drafts) if t in req.eos_ids or t in req.stop_ids]
             if ends:  # nothing follows a token that may end the sequence, and a grammar
                 # never consumes one (update ends the sequence first): it is no draft there
@@ -278,6 +287,17 @@ class Scheduler:
             step.add_drafts(i, drafts)
             budget -= len(drafts)
             slots -= len(drafts)
+
+    def _allocate_lookahead(self, step: ScheduledStep) -> None:
+        """Blocks for k tokens past each sampling sequence's query, where free: the draft
+        model writes its proposals' keys and values there in this step (without them
+        its proposals past a block's end are worse, never wrong)."""
+        k = self.speculative.num_speculative_tokens
+        for i, req in enumerate(step.reqs):
+            if step.sample[i]:
+                drafts = len(step.drafts[i]) if step.drafts else 0
+                self.block_manager.allocate_slots(req, min(
+                    req.num_computed_tokens + drafts + k, self.max_model_len))
 
     def _poll_grammars(self, step: ScheduledStep) -> None:
         """Sequences whose grammar compiled may run; those whose compile failed finish."""
@@ -368,6 +388,7 @@ class Scheduler:
         if result.prompt_logprobs is not None:
             self._store_prompt_logprobs(step, result.prompt_logprobs)
         accepted = iter(() if result.num_accepted is None else result.num_accepted.tolist())
+        proposed = iter(() if result.draft_token_ids is None else result.draft_token_ids.tolist())
         j = 0
         finished = False
         for i, req in enumerate(step.reqs):
@@ -375,6 +396,7 @@ class Scheduler:
                 continue
             first, j = j, j + num_slots[i]
             num_accepted = next(accepted, 0)
+            req.proposed = next(proposed, [])
             if req.status != RequestStatus.RUNNING:  # aborted meanwhile
                 continue
             drafts = step.drafts[i] if step.drafts else []

@@ -313,7 +313,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="speculative decoding (vLLM's flag), e.g. '{\"method\": \"ngram\", "
                              "\"num_speculative_tokens\": 3, \"prompt_lookup_max\": 4}': "
                              "n-gram prompt lookup proposes up to k tokens per step and the step "
-                             "verifies them (docs/speculative_decoding.md); default off")
+                             "verifies them; or '{\"model\": DIR, \"num_speculative_tokens\": "
+                             "4}': a draft model sharing the tokenizer proposes them "
+                             "(docs/speculative_decoding.md); default off")
     parser.add_argument("--max-worker-restarts", type=_non_negative_int, default=3,
                         help="worker processes the engine may start to replace a dead or hung "
                              "one, in its life (default 3; 0 = a worker failure is final)")

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class InitializeRequest(_message.Message):
-    __slots__ = ("model", "dtype", "block_size", "num_kv_blocks", "kv_cache_bytes", "max_num_seqs", "max_model_len", "token_buckets", "request_buckets", "attention_backend", "seed_json", "memory_utilization", "precompile", "strict_recompile", "compilation_cache_dir", "scan_layers", "tensor_parallel_size", "load_format", "quantization")
+    __slots__ = ("model", "dtype", "block_size", "num_kv_blocks", "kv_cache_bytes", "max_num_seqs", "max_model_len", "token_buckets", "request_buckets", "attention_backend", "seed_json", "memory_utilization", "precompile", "strict_recompile", "compilation_cache_dir", "scan_layers", "tensor_parallel_size", "load_format", "quantization", "draft_model", "num_speculative_tokens")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +27,8 @@ class InitializeRequest(_message.Message):
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     LOAD_FORMAT_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     model: str
     dtype: str
     block_size: int
@@ -46,7 +48,9 @@ class InitializeRequest(_message.Message):
     tensor_parallel_size: int
     load_format: str
     quantization: str
-    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_model_len: _Optional[int] = ..., token_buckets: _Optional[_Iterable[int]] = ..., request_buckets: _Optional[_Iterable[int]] = ..., attention_backend: _Optional[str] = ..., seed_json: _Optional[str] = ..., memory_utilization: _Optional[float] = ..., precompile: _Optional[bool] = ..., strict_recompile: _Optional[bool] = ..., compilation_cache_dir: _Optional[str] = ..., scan_layers: _Optional[bool] = ..., tensor_parallel_size: _Optional[int] = ..., load_format: _Optional[str] = ..., quantization: _Optional[str] = ...) -> None: ...
+    draft_model: str
+    num_speculative_tokens: int
+    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_model_len: _Optional[int] = ..., token_buckets: _Optional[_Iterable[int]] = ..., request_buckets: _Optional[_Iterable[int]] = ..., attention_backend: _Optional[str] = ..., seed_json: _Optional[str] = ..., memory_utilization: _Optional[float] = ..., precompile: _Optional[bool] = ..., strict_recompile: _Optional[bool] = ..., compilation_cache_dir: _Optional[str] = ..., scan_layers: _Optional[bool] = ..., tensor_parallel_size: _Optional[int] = ..., load_format: _Optional[str] = ..., quantization: _Optional[str] = ..., draft_model: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ...) -> None: ...
 
 class Geometry(_message.Message):
     __slots__ = ("num_kv_blocks", "block_size", "max_model_len", "vocab_size", "eos_token_ids")
@@ -113,7 +117,7 @@ class StepPlan(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., freed_rows: _Optional[bytes] = ..., new_rows: _Optional[_Iterable[_Union[NewRow, _Mapping]]] = ..., append_rows: _Optional[bytes] = ..., append_block_ids: _Optional[bytes] = ..., rows: _Optional[bytes] = ..., num_computed: _Optional[bytes] = ..., num_tokens: _Optional[bytes] = ..., sample: _Optional[bytes] = ..., num_tokens_bucket: _Optional[int] = ..., num_reqs_bucket: _Optional[int] = ..., token_bitmask: _Optional[bytes] = ..., token_bitmask_words: _Optional[int] = ..., has_drafts: _Optional[bool] = ..., num_draft: _Optional[bytes] = ..., draft_token_ids: _Optional[bytes] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "token_ids", "has_logprobs", "logprob", "rank", "num_top_logprobs", "top_token_ids", "top_logprobs", "execute_seconds", "device_seconds", "prompt_logprobs", "has_num_accepted", "num_accepted")
+    __slots__ = ("step_id", "token_ids", "has_logprobs", "logprob", "rank", "num_top_logprobs", "top_token_ids", "top_logprobs", "execute_seconds", "device_seconds", "prompt_logprobs", "has_num_accepted", "num_accepted", "num_proposed", "draft_token_ids")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     HAS_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -127,6 +131,8 @@ class StepResult(_message.Message):
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     HAS_NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROPOSED_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     token_ids: bytes
     has_logprobs: bool
@@ -140,7 +146,9 @@ class StepResult(_message.Message):
     prompt_logprobs: PromptLogprobs
     has_num_accepted: bool
     num_accepted: bytes
-    def __init__(self, step_id: _Optional[int] = ..., token_ids: _Optional[bytes] = ..., has_logprobs: _Optional[bool] = ..., logprob: _Optional[bytes] = ..., rank: _Optional[bytes] = ..., num_top_logprobs: _Optional[int] = ..., top_token_ids: _Optional[bytes] = ..., top_logprobs: _Optional[bytes] = ..., execute_seconds: _Optional[float] = ..., device_seconds: _Optional[float] = ..., prompt_logprobs: _Optional[_Union[PromptLogprobs, _Mapping]] = ..., has_num_accepted: _Optional[bool] = ..., num_accepted: _Optional[bytes] = ...) -> None: ...
+    num_proposed: int
+    draft_token_ids: bytes
+    def __init__(self, step_id: _Optional[int] = ..., token_ids: _Optional[bytes] = ..., has_logprobs: _Optional[bool] = ..., logprob: _Optional[bytes] = ..., rank: _Optional[bytes] = ..., num_top_logprobs: _Optional[int] = ..., top_token_ids: _Optional[bytes] = ..., top_logprobs: _Optional[bytes] = ..., execute_seconds: _Optional[float] = ..., device_seconds: _Optional[float] = ..., prompt_logprobs: _Optional[_Union[PromptLogprobs, _Mapping]] = ..., has_num_accepted: _Optional[bool] = ..., num_accepted: _Optional[bytes] = ..., num_proposed: _Optional[int] = ..., draft_token_ids: _Optional[bytes] = ...) -> None: ...
 
 class PromptLogprobs(_message.Message):
     __slots__ = ("index", "position", "logprob", "rank", "num_top_logprobs", "top_token_ids", "top_logprobs")

@@ -13,7 +13,11 @@ shapes and dtypes ``InProcessWorker`` later calls it with, as
   token of the step), keyed on T: one per T on the ladder, run only in steps
   with prompt-logprob rows;
 - rows: ``sync_rows`` per R (new rows' staged writes, padded to R) and
-  ``set_penalty_row``: |R ladder| + 1.
+  ``set_penalty_row``: |R ladder| + 1;
+- with a draft model (speculative decoding): ``draft_body[T]`` (``run_body``
+  with the draft model and its KV cache) per T and ``draft_proposals[R]``
+  (``run_draft_proposals``) per R (``draft_executables``), compiled with the
+  bodies.
 
 ``split_for_startup`` orders them for start-up: everything but the middle
 sampler variants, the masked ones and the prompt-logprob executables is compiled
@@ -46,7 +50,8 @@ from jaxserve.worker.compile_manager import StepExecutable
 from jaxserve.worker.device_inputs import SampleSlots
 from jaxserve.worker.device_state import PenaltyState, host_rows, set_penalty_row, sync_rows
 from jaxserve.worker.inputs import StepLayout
-from jaxserve.worker.model_runner import run_body, run_prompt_logprobs, run_sampler
+from jaxserve.worker.model_runner import (run_body, run_draft_proposals, run_prompt_logprobs,
+                                         run_sampler)
 from jaxserve.worker.rows import RowState
 from jaxserve.worker.sampler import COMPILED_VARIANTS, FULL, GREEDY, SamplerVariant
 from jaxserve.worker.sampler.bitmask import num_words
@@ -96,13 +101,56 @@ class LadderShapes:
         return PenaltyState(self.spec(shape, np.bool_), self.spec(shape, _I32))
 
 
-def body_executable(shapes: LadderShapes, num_tokens: int, key: str = "") -> StepExecutable:
-    """``run_body`` at T = ``num_tokens``; the KV cache and block table donated."""
+def body_name(num_tokens: int, draft: bool = False) -> str:
+    return f"{'draft_body' if draft else 'body'}[T={num_tokens}]"
+
+
+def body_executable(shapes: LadderShapes, num_tokens: int, key: str = "",
+                    draft: bool = False) -> StepExecutable:
+    """``run_body`` at T = ``num_tokens``; the KV cache and block table donated.
+
+    ``draft``: ``shapes`` hold the draft model and its KV cache (named ``draft_body[T]``).
+    """
     layout, m = shapes.layout(num_tokens), shapes.rows.max_num_seqs
     fn = functools.partial(run_body, shapes.graphdef, layout=layout, backend=shapes.backend)
     args = (shapes.state, shapes.kv_cache, shapes.device_rows.block_table,
             shapes.spec((m + 1,), _I32), shapes.spec((layout.size,), _I32))
-    return StepExecutable("body", f"body[T={num_tokens}]", fn, args, donate=(1, 2), key=key)
+    return StepExecutable("body", body_name(num_tokens, draft), fn, args, donate=(1, 2),
+                          key=key)
+
+
+def sample_slots_spec(shapes: LadderShapes) -> SampleSlots:
+    """The ``SampleSlots`` the body returns, as ``ShapeDtypeStruct``s."""
+    m = shapes.rows.max_num_seqs
+    return SampleSlots(logits_indices=shapes.spec((m,), _I32), rows=shapes.spec((m,), _I32),
+                       positions=shapes.spec((m,), _I32), draft=shapes.spec((m,), _I32),
+                       start=shapes.spec((m,), _I32), server_key=shapes.spec((2,), np.uint32))
+
+
+def draft_proposals_name(num_reqs: int) -> str:
+    return f"draft_proposals[R={num_reqs}]"
+
+
+def draft_executables(shapes: LadderShapes, token_buckets: tuple[int, ...],
+                      request_buckets: tuple[int, ...], num_speculative_tokens: int
+                      ) -> list[StepExecutable]:
+    """A draft model's executables: ``draft_body[T]`` per T, ``draft_proposals[R]`` per R.
+
+    ``shapes`` hold the draft model and its KV cache (the rows are the target's).
+    """
+    key = shape_material(shapes)
+    out = [body_executable(shapes, t, key, draft=True) for t in token_buckets]
+    m = shapes.rows.max_num_seqs
+    for r in request_buckets:
+        fn = functools.partial(run_draft_proposals, shapes.graphdef, num_reqs=r,
+                               num_speculative_tokens=num_speculative_tokens,
+                               backend=shapes.backend)
+        args = (shapes.state, shapes.kv_cache, shapes.device_rows.block_table,
+                shapes.spec((m + 1,), _I32), sample_slots_spec(shapes),
+                shapes.spec((r,), np.bool_))
+        out.append(StepExecutable("draft", draft_proposals_name(r), fn, args, donate=(1,),
+                                  key=f"{key}|k={num_speculative_tokens}"))
+    return out
 
 
 def prompt_logprobs_name(num_tokens: int) -> str:
@@ -131,9 +179,7 @@ def sampler_executable(shapes: LadderShapes, num_reqs: int, variant: SamplerVari
                        key: str = "") -> StepExecutable:
     """``run_sampler`` (LM head + sampler) at R = ``num_reqs`` in ``variant``."""
     m = shapes.rows.max_num_seqs
-    slots = SampleSlots(logits_indices=shapes.spec((m,), _I32), rows=shapes.spec((m,), _I32),
-                        positions=shapes.spec((m,), _I32), draft=shapes.spec((m,), _I32),
-                        start=shapes.spec((m,), _I32), server_key=shapes.spec((2,), np.uint32))
+    slots = sample_slots_spec(shapes)
     penalty = shapes.penalty if variant.processing else PenaltyState(None, None)
     bitmask = (shapes.spec((num_reqs, num_words(shapes.rows.vocab_size)), _I32)
                if variant.mask else None)

@@ -81,8 +81,9 @@ from jaxserve.worker import model_runner as mr
 from jaxserve.worker.compile_manager import (RecompileGuard, StepFunction, compile_all,
                                              BackgroundCompile,
                                              configure_persistent_cache, program_store)
-from jaxserve.worker.executables import (LadderShapes, body_executable, ladder_executables,
-                                         lower_body,
+from jaxserve.worker.executables import (LadderShapes, body_executable, body_name,
+                                         draft_executables, draft_proposals_name,
+                                         ladder_executables, lower_body,
                                          lower_sampler, prompt_logprobs_executable,
                                          prompt_logprobs_name, sampler_name, split_for_startup,
                                          variant_name)
@@ -115,7 +116,7 @@ class PendingStep:
 
     def __init__(self, step_id: int, num_sampled: int, out: SamplerOutput | None,
                  logprobs: bool, done: jax.Array, dispatched: float, host_seconds: float,
-                 clock: DeviceClock, on_done=None, prompt=None, drafts=None):
+                 clock: DeviceClock, on_done=None, prompt=None, drafts=None, proposals=None):
         self.step_id = step_id
         self._num_sampled, self._out, self._logprobs, self._done = num_sampled, out, logprobs, done
         self._dispatched, self._host_seconds, self._on_done = dispatched, host_seconds, on_done
@@ -123,6 +124,9 @@ class PendingStep:
         # (kept bool[R] on the device, each sampling row's slots i32[k], the callback
         # taking its accepted drafts i32[k]), or None without drafts
         self._drafts = drafts
+        # (the draft model's proposals i32[R, k] on the device, each sampling row's
+        # first slot i32[rows]), or None without a draft model
+        self._proposals = proposals
         self._clock = clock
         self._lock = threading.Lock()
         self._result: StepResult | None = None
@@ -138,23 +142,30 @@ class PendingStep:
 
     def _fetch(self) -> StepResult:
         s = self._num_sampled
-        kept = None
+        extra = {}
         if self._out is None:
             self._done.block_until_ready()
             result = StepResult(self.step_id, np.zeros(0, np.int32))
         else:
             tree = self._out if self._logprobs else self._out.token_ids
-            out, kept = (fetch(tree), None) if self._drafts is None else fetch(
-                (tree, self._drafts[0]))
+            if self._drafts is not None:
+                extra["kept"] = self._drafts[0]
+            if self._proposals is not None:
+                extra["proposals"] = self._proposals[0]
+            out, extra = fetch((tree, extra))  # the step's one download
             result = (StepResult(self.step_id, out[:s]) if not self._logprobs else StepResult(
                 self.step_id, out.token_ids[:s], out.logprob[:s], out.rank[:s],
                 out.top_token_ids[:s], out.top_logprobs[:s]))
-        if kept is not None:
+        if "kept" in extra:
             _, slots, on_accepted = self._drafts
             starts = (np.cumsum(slots) - slots).astype(np.intp)
-            accepted = (np.add.reduceat(kept[:s].astype(np.int32), starts) - 1).astype(np.int32)
+            accepted = (np.add.reduceat(extra["kept"][:s].astype(np.int32), starts) - 1
+                        ).astype(np.int32)
             on_accepted(accepted)
             result = dataclasses.replace(result, num_accepted=accepted)
+        if "proposals" in extra:  # each row's at its first slot
+            result = dataclasses.replace(result,
+                                         draft_token_ids=extra["proposals"][self._proposals[1]])
         if self._prompt is not None:
             device, token, index, position = self._prompt
             scored = fetch(device)
@@ -190,11 +201,14 @@ class InProcessWorker:
     Args:
       loaded: an already loaded ``(config, graphdef, state)`` to use instead
         of loading ``WorkerInit.model`` (tests share one model this way).
+      draft_loaded: the same for ``WorkerInit.draft_model``.
       progress: show the compile progress bar.
     """
 
-    def __init__(self, loaded=None, *, progress: bool = True):
+    def __init__(self, loaded=None, *, draft_loaded=None, progress: bool = True):
         self._loaded = loaded
+        self._draft_loaded = draft_loaded
+        self.draft = None  # (config, graphdef, state) of the draft model, or None
         self._progress = progress
         self.executed_buckets: collections.Counter[tuple[int, int]] = collections.Counter()
         self.executed_variants: collections.Counter[str] = collections.Counter()
@@ -252,6 +266,7 @@ class InProcessWorker:
                              f"model was loaded onto {loaded_tp} device(s)")
         dtype = resolve_dtype(init.dtype)
         self.model_config, self.init = config, init
+        self.draft = self._load_draft(init, config)
         max_len = config.max_position_embeddings
         max_model_len = min(init.max_model_len or max_len, max_len)
         m = init.max_num_seqs
@@ -295,10 +310,11 @@ class InProcessWorker:
             first = compile_all([e for e in now if e.kind != "body"] + sizing,
                                 progress=self._progress, store=store,
                                 desc="compiling samplers and row writes")
+        bytes_per_block = sum(kv_cache_bytes_per_block(c, init.block_size, dtype)
+                              for c in [config] + ([self.draft[0]] if self.draft else []))
         num_blocks = num_kv_blocks(
             num_blocks=init.num_kv_blocks, kv_cache_bytes=init.kv_cache_bytes,
-            bytes_per_block=kv_cache_bytes_per_block(config, init.block_size, dtype)
-            // init.tensor_parallel_size,  # one device's share: K / TP heads
+            bytes_per_block=bytes_per_block // init.tensor_parallel_size,  # one device's share
             memory=memory, utilization=init.memory_utilization,
             platform=devices[0].platform,
             activation_bytes=lambda: self._activation_bytes(shapes(sizing_kv), first))
@@ -308,6 +324,9 @@ class InProcessWorker:
             raise ValueError(f"the KV cache must have >= 2 blocks, got {num_blocks}")
         self.kv_cache = init_kv_cache(config, num_blocks, init.block_size, dtype,
                                       stacked=init.scan_layers, mesh=self.mesh)
+        self.draft_kv_cache = None if self.draft is None else init_kv_cache(
+            self.draft[0], num_blocks, init.block_size, dtype, stacked=init.scan_layers,
+            mesh=self.mesh)
         self.layouts = {t: StepLayout.for_bucket(t, m, init.block_size)
                         for t in init.token_buckets}
         self.request_buckets = tuple(sorted(init.request_buckets))
@@ -315,6 +334,9 @@ class InProcessWorker:
         if init.precompile:
             bodies = [e for e in ladder_executables(shapes(self.kv_cache), init.token_buckets,
                                                     init.request_buckets) if e.kind == "body"]
+            if self.draft is not None:
+                bodies += draft_executables(self._draft_shapes(), init.token_buckets,
+                                            init.request_buckets, init.num_speculative_tokens)
             second = compile_all(bodies, progress=self._progress,
                                  store=None if first.store_off_reason else store,
                                  desc="compiling model bodies")
@@ -335,6 +357,35 @@ class InProcessWorker:
                     time.perf_counter() - start, num_blocks, init.block_size, init.dtype,
                     self.backend)
         return self.geometry
+
+    def _load_draft(self, init: WorkerInit, config):
+        """The draft model ``(config, graphdef, state)``, or None without one.
+
+        Raises:
+          ValueError: a draft model without k >= 1, or whose vocabulary differs
+            from the target's.
+        """
+        if init.draft_model is None and self._draft_loaded is None:
+            return None
+        if init.num_speculative_tokens < 1:
+            raise ValueError(f"a draft model needs num_speculative_tokens >= 1, got "
+                             f"{init.num_speculative_tokens}")
+        draft = self._draft_loaded or load_model(init.draft_model, init.dtype,
+                                                 scan_layers=init.scan_layers, mesh=self.mesh,
+                                                 load_format=init.load_format)
+        if draft[0].vocab_size != config.vocab_size:
+            raise ValueError(f"speculative_config model {init.draft_model}: its vocabulary "
+                             f"({draft[0].vocab_size} tokens) differs from the target "
+                             f"model's ({config.vocab_size}); a draft model must share the "
+                             f"tokenizer")
+        return draft
+
+    def _draft_shapes(self) -> LadderShapes:
+        config, graphdef, state = self.draft
+        hidden = jax.ShapeDtypeStruct((self.rows.max_num_seqs, config.hidden_size),
+                                      resolve_dtype(self.init.dtype), sharding=self.placement)
+        return LadderShapes(graphdef, state, self.draft_kv_cache, self.rows, hidden,
+                            self.backend, self.placement)
 
     def _kv_spec(self, num_blocks: int, dtype) -> KVCache:
         return kv_cache_shapes(self.model_config, num_blocks, self.init.block_size, dtype,
@@ -364,6 +415,7 @@ class InProcessWorker:
         if self.background_compile is not None:
             self.background_compile.stop()
         self.kv_cache = self.device_rows = self.last_token = self.penalty = None
+        self.draft_kv_cache = None
 
     def num_compiled(self) -> dict[str, int]:
         """Executables held by jit per function (all processes' jit caches share them)."""
@@ -450,6 +502,11 @@ class InProcessWorker:
             f"body[T={layout.num_tokens}]", functools.partial(
                 mr.run_body, self.graphdef, layout=layout, backend=self.backend),
             self.state, self.kv_cache, self.device_rows.block_table, self.last_token, buffer)
+        if self.draft is not None:  # the draft model's keys and values of the same tokens
+            self.draft_kv_cache, block_table, *_ = self._call(
+                body_name(layout.num_tokens, draft=True), functools.partial(
+                    mr.run_body, self.draft[1], layout=layout, backend=self.backend),
+                self.draft[2], self.draft_kv_cache, block_table, self.last_token, buffer)
         self.device_rows = dataclasses.replace(self.device_rows, block_table=block_table)
         prompt = self._prompt_logprobs(plan, layout.num_tokens, hidden_all)
         if not r:
@@ -474,11 +531,23 @@ class InProcessWorker:
             sampling = plan.rows[plan.sample]
             drafts = (kept, slots[plan.sample], functools.partial(rows.count_accepted, sampling))
             kept.copy_to_host_async()
+        proposals = None
+        if self.draft is not None:  # the next step's drafts, in the same download
+            k = self.init.num_speculative_tokens
+            self.draft_kv_cache, proposed = self._call(
+                draft_proposals_name(r), functools.partial(
+                    mr.run_draft_proposals, self.draft[1], num_reqs=r, num_speculative_tokens=k,
+                    backend=self.backend),
+                self.draft[2], self.draft_kv_cache, self.device_rows.block_table,
+                self.last_token, sample_slots, kept)
+            proposed.copy_to_host_async()
+            per_row = slots[plan.sample]
+            proposals = (proposed, (np.cumsum(per_row) - per_row).astype(np.intp))
         for leaf in jax.tree.leaves(out if logprobs else out.token_ids):
             leaf.copy_to_host_async()
         pending = PendingStep(plan.step_id, len(sample_rows), out, logprobs, out.token_ids,
                               dispatched, dispatched - start, self._clock, self._count, prompt,
-                              drafts)
+                              drafts, proposals)
         self._verifying = pending if drafts is not None else None
         return pending
 

@@ -25,6 +25,11 @@ tests and the benchmarks all run it.
   top ``MAX_LOGPROBS`` (``sampler.token_logprobs``, the sampler's own).
 - ``run_body_logits``: the same body with the logits of every token (the
   model parity tests compare them with transformers).
+- ``run_draft_proposals``: keyed on R, run only with a draft model
+  (speculative decoding, ``method="draft_model"``): after ``run_sampler``,
+  the draft model (whose KV cache ``run_body`` filled for this step's query
+  tokens, in the same blocks as the target's) decodes k greedy tokens after
+  each sampling row's new last token: the row's drafts for its next step.
 
 So the step executables number 2 × |T ladder| + |R ladder| × |variants|, not a
 product with T; ``executables`` says which are compiled at start-up and which
@@ -39,8 +44,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jaxserve.model.attention import AttentionMetadata
 from jaxserve.model.graph import StaticGraph
-from jaxserve.model.kv_cache import KVCache
+from jaxserve.model.kv_cache import NULL_BLOCK, KVCache
 from jaxserve.model.sharding import on_every_device
 from jaxserve.sampling_params import MAX_LOGPROBS
 from jaxserve.worker.device_inputs import SampleSlots, apply_appends, step_inputs
@@ -198,3 +204,72 @@ def run_sampler(graphdef: StaticGraph, state: dict, hidden: jax.Array, slots: Sa
         output_counts = output_counts.at[jnp.where(kept, rows, dropped), out.token_ids].add(
             1, mode="drop")
     return out, kept, last_token, output_counts
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "num_reqs", "num_speculative_tokens",
+                                             "backend"),
+                   donate_argnames=("kv_cache",))
+def run_draft_proposals(graphdef: StaticGraph, state: dict, kv_cache: KVCache,
+                        block_table: jax.Array, last_token: jax.Array, slots: SampleSlots,
+                        kept: jax.Array, *, num_reqs: int, num_speculative_tokens: int,
+                        backend: str) -> tuple[KVCache, jax.Array]:
+    """The draft model's k greedy tokens after each sampling row's new last token.
+
+    Runs after ``run_sampler``. A row's new last token (the token after its
+    accepted drafts) lies at the position its last kept slot sampled for, q;
+    iteration i feeds the token at q + i (the new last token, then the
+    previous iteration's draft) through the draft model as a one-token query
+    — writing its keys and values at q + i — and takes the argmax of its
+    logits. The draft model's cache already holds every earlier position:
+    ``run_body`` ran it over this step's query tokens (a rejected draft's
+    slot is written again here or later). Positions past the row's blocks
+    write to the null block (the scheduler allocates k tokens ahead, so only
+    a full cache leaves them without), which only makes those drafts worse:
+    the verify step keeps a draft only where the target model agrees.
+
+    Args:
+      graphdef, state: the draft model (split).
+      kv_cache: the draft model's paged cache (same blocks and block size as
+        the target's), donated.
+      block_table: i32[M + 1, MB], the persistent block table (after the step's appends).
+      last_token: i32[M + 1], each row's last token (after ``run_sampler``).
+      slots: the body's ``SampleSlots`` (for the draft model's body or the target's:
+        the same).
+      kept: bool[R], ``run_sampler``'s kept slots.
+      num_reqs: R (static); num_speculative_tokens: k (static).
+      backend: the attention backend (static).
+
+    Returns:
+      (kv_cache, drafts i32[R, k]): a row's drafts at its first slot's index
+      (``slots.start``); other entries -1.
+    """
+    r, k = num_reqs, num_speculative_tokens
+    mb = block_table.shape[1]
+    m = block_table.shape[0] - 1
+    start = slots.start[:r]  # [R]
+    slot = jnp.arange(r, dtype=jnp.int32)
+    same_row_next = jnp.roll(kept, -1) & (jnp.roll(start, -1) == start) & (slot < r - 1)
+    last = kept & ~same_row_next & (slots.rows[:r] < m)  # [R] the row's last kept slot
+    rows = jnp.where(last, slots.rows[:r], m)  # [R]; others read the padding row
+    first = slots.positions[:r]  # [R] q: where the row's new last token lies
+    table = block_table[rows]  # [R, MB]
+    size = kv_cache.block_size
+    model = graphdef.merge(state)
+
+    def step(i, carry):
+        kv, token, drafts = carry
+        position = jnp.where(last, first + i, 0)  # [R]
+        inside = last & (position < mb * size)
+        block = table[slot, jnp.minimum(position // size, mb - 1)]
+        attention = AttentionMetadata(
+            slot_mapping=jnp.where(inside, block * size + position % size, NULL_BLOCK * size),
+            block_table=table, seq_lens=jnp.where(inside, position + 1, 1),
+            query_start_loc=jnp.arange(r + 1, dtype=jnp.int32))
+        hidden, kv = model(token, position, kv, attention, backend)  # [R, D]
+        token = jnp.argmax(model.logits(hidden), axis=-1).astype(jnp.int32)  # [R]
+        return kv, token, drafts.at[:, i].set(token)
+
+    drafts = jnp.full((r, k), -1, jnp.int32)
+    kv_cache, _, drafts = jax.lax.fori_loop(0, k, step, (kv_cache, last_token[rows], drafts))
+    out = jnp.full((r, k), -1, jnp.int32).at[jnp.where(last, start, r)].set(drafts, mode="drop")
+    return kv_cache, out

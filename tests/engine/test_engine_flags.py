@@ -79,13 +79,20 @@ def test_speculative_config_reaches_the_engine_process():
     assert engine_config(_parse(*engine_flags(args))).speculative_config == spec
     assert "--speculative-config" not in engine_flags(_parse())
     assert engine_config(_parse()).speculative_config is None
+    args = _parse("--speculative-config", '{"model": "/draft", "num_speculative_tokens": 2}')
+    spec = engine_config(args).speculative_config
+    assert (spec.method, spec.model, spec.num_speculative_tokens) == ("draft_model", "/draft", 2)
+    assert engine_config(_parse(*engine_flags(args))).speculative_config == spec
+    init = engine_config(args).worker_init()
+    assert (init.draft_model, init.num_speculative_tokens) == ("/draft", 2)
 
 
 @pytest.mark.parametrize("bad, why", [
     ("{not json", "invalid JSON (Expecting property name"), ("[1]", "a JSON object is needed"),
     ('{"method": "ngram", "num_speculative_tokens": 2.5}', "must be an integer, got 2.5"),
     ('{"num_speculative_tokens": 3}', "needs a method"),
-    ('{"method": "eagle"}', "method must be one of ngram"),
+    ('{"method": "eagle"}', "method must be one of ngram, draft_model"),
+    ('{"method": "draft_model"}', "is needed with method draft_model"),
     ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens must be >= 1"),
     ('{"draft_model": "x"}', "unknown key"),
 ])

@@ -40,14 +40,23 @@ def test_speculative_config_defaults_and_errors_follow_vllm():
     config = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 4,
                                           "prompt_lookup_min": 2})
     assert (config.num_speculative_tokens, config.prompt_lookup_max) == (4, 2)
-    with pytest.raises(ValueError, match="method must be one of ngram, got 'eagle'"):
+    with pytest.raises(ValueError, match="method must be one of ngram, draft_model, got 'eagle'"):
         SpeculativeConfig(method="eagle")
     with pytest.raises(ValueError, match="num_speculative_tokens must be >= 1"):
         SpeculativeConfig(num_speculative_tokens=0)
     with pytest.raises(ValueError, match="prompt_lookup_min <= prompt_lookup_max, got 3 and 2"):
         SpeculativeConfig(prompt_lookup_min=3, prompt_lookup_max=2)
-    with pytest.raises(ValueError, match="unknown key.* model"):
-        SpeculativeConfig.from_dict({"model": "x"})
+    with pytest.raises(ValueError, match="unknown key.* draft_model"):
+        SpeculativeConfig.from_dict({"draft_model": "x"})
+    # vLLM: a model alone means a draft model; it needs the model, and only it does
+    draft = SpeculativeConfig.from_dict({"model": "/m", "num_speculative_tokens": 4})
+    assert (draft.method, draft.model, draft.num_speculative_tokens) == ("draft_model", "/m", 4)
+    with pytest.raises(ValueError, match="model .* is needed with method draft_model"):
+        SpeculativeConfig.from_dict({"method": "draft_model"})
+    with pytest.raises(ValueError, match="and only with it; got method 'ngram'"):
+        SpeculativeConfig.from_dict({"method": "ngram", "model": "/m"})
+    with pytest.raises(ValueError, match="model must be a directory path, got 3"):
+        SpeculativeConfig.from_dict({"model": 3})
     with pytest.raises(ValueError, match="needs a method"):
         SpeculativeConfig.from_dict({"num_speculative_tokens": 3})
 

@@ -121,10 +121,15 @@ def test_steady_decode_makes_one_upload_and_one_download_per_step(request, monke
     engine.shutdown()
 
 
-def test_a_steady_speculative_step_makes_one_upload_and_one_download(tiny, monkeypatch):
-    """Drafts travel in the step's buffer; the kept slots come back with the tokens."""
-    engine = _engine(tiny, speculative_config=SpeculativeConfig(
-        num_speculative_tokens=2, prompt_lookup_min=1, prompt_lookup_max=2))
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_a_steady_speculative_step_makes_one_upload_and_one_download(tiny, tiny_dir, monkeypatch,
+                                                                     method):
+    """Drafts travel in the step's buffer; the kept slots (and a draft model's proposals
+    for the next step) come back with the tokens."""
+    spec = (SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_min=1, prompt_lookup_max=2)
+            if method == "ngram" else
+            SpeculativeConfig(method="draft_model", model=str(tiny_dir), num_speculative_tokens=2))
+    engine = _engine(tiny, speculative_config=spec)
     _start(engine, 3)
     transfers = _Transfers(monkeypatch)
     steps, tokens = 30, 0

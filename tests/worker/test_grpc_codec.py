@@ -94,13 +94,18 @@ def test_random_plans_round_trip_exactly():
         _assert_same(plan, back)
 
 
+@pytest.mark.parametrize("with_drafts", [False, True])
 @pytest.mark.parametrize("with_prompt", [False, True])
 @pytest.mark.parametrize("with_logprobs", [False, True])
-def test_results_round_trip_exactly(with_logprobs, with_prompt):
+def test_results_round_trip_exactly(with_logprobs, with_prompt, with_drafts):
     rng = np.random.default_rng(1)
     s = 7
     result = StepResult(3, rng.integers(0, 50000, s, dtype=np.int32),
                         execute_seconds=0.125, device_seconds=0.0625)
+    if with_drafts:  # 4 sampling rows (one with 3 drafts), a draft model's k = 5
+        result = dataclasses.replace(
+            result, num_accepted=np.array([2, 0, 0, 0], np.int32),
+            draft_token_ids=rng.integers(0, 50000, (4, 5), dtype=np.int32))
     if with_logprobs:
         top_ids = rng.integers(-1, 50000, (s, 20), dtype=np.int32)
         result = dataclasses.replace(
@@ -125,12 +130,14 @@ def test_init_geometry_and_status_round_trip():
                       token_buckets=(1, 4, 8), request_buckets=(1, 2, 64),
                       attention_backend="reference", seed=2**65 + 1, memory_utilization=0.5,
                       precompile=False, strict_recompile=True, compilation_cache_dir="/c",
-                      scan_layers=True, quantization="int8")
+                      scan_layers=True, quantization="int8", draft_model="/d",
+                      num_speculative_tokens=4)
     _assert_same(init, plan_codec.init_from_proto(_wire(plan_codec.init_to_proto(init),
                                                         wpb.InitializeRequest)))
     bare = dataclasses.replace(init, model=None, kv_cache_bytes=None, num_kv_blocks=9,
                                max_model_len=128, attention_backend=None,
-                               compilation_cache_dir=None, scan_layers=False, quantization=None)
+                               compilation_cache_dir=None, scan_layers=False, quantization=None,
+                               draft_model=None, num_speculative_tokens=0)
     _assert_same(bare, plan_codec.init_from_proto(_wire(plan_codec.init_to_proto(bare),
                                                         wpb.InitializeRequest)))
     status = WorkerStatus(True, "cpu", 22, 3.5, 20, 1, 99)

@@ -135,11 +135,25 @@ def test_grpc_worker_matches_the_in_process_worker(tiny_dir, monkeypatch):
                             GrpcWorker(address))
         got = _run(engine, requests)
         assert engine.stats().spec_decode_num_accepted_tokens > 0
-        for key, (tokens, logprobs, reasons) in reference.items():
-            assert got[key][0] == tokens and got[key][2] == reasons, key
-            for a, b in zip(got[key][1], logprobs, strict=True):
-                np.testing.assert_allclose([a.logprob, *a.top_logprobs],
-                                           [b.logprob, *b.top_logprobs], rtol=1e-5, atol=1e-5)
+        _assert_matches(got, reference)
+        # A draft model (the model drafting for itself): its proposals come back in
+        # StepResult.draft_token_ids, the worker loads it from its directory.
+        spec = SpeculativeConfig(method="draft_model", model=str(tiny_dir),
+                                 num_speculative_tokens=2)
+        engine = EngineCore(dataclasses.replace(_config(tiny_dir), speculative_config=spec),
+                            GrpcWorker(address))
+        got = _run(engine, requests)
+        _assert_matches(got, reference)
+        # (greedy drafts: a sampled or penalized row rejects many)
+        assert engine.stats().spec_decode_num_accepted_tokens > 0
+
+
+def _assert_matches(got, reference) -> None:
+    for key, (tokens, logprobs, reasons) in reference.items():
+        assert got[key][0] == tokens and got[key][2] == reasons, key
+        for a, b in zip(got[key][1], logprobs, strict=True):
+            np.testing.assert_allclose([a.logprob, *a.top_logprobs],
+                                       [b.logprob, *b.top_logprobs], rtol=1e-5, atol=1e-5)
 
 
 def test_status_health_errors_profile_and_reinitialize(tiny_dir, tmp_path):

@@ -39,13 +39,28 @@ def loaded(tmp_path_factory):
     return load_model(directory, "float32")
 
 
-def _engine(loaded, spec=None, num_blocks=200, budget=32):
+@pytest.fixture(scope="module")
+def small_draft(tmp_path_factory):
+    """A one-layer random Llama with the target's vocabulary: a draft model that
+    disagrees with the target often (rejections exercised)."""
+    directory = tmp_path_factory.mktemp("tiny_draft")
+    make_tiny_model("LlamaForCausalLM", directory, seed=8, num_hidden_layers=1)
+    return directory, load_model(directory, "float32")
+
+
+def _engine(loaded, spec=None, num_blocks=200, budget=32, draft=None):
     config = EngineConfig(
         max_model_len=MAX_LEN, seed=5, speculative_config=spec,
         scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget),
         cache=CacheConfig(block_size=4, num_kv_blocks=num_blocks),
         compile=CompileConfig(strict_recompile=True))
-    return tracked(EngineCore(config, InProcessWorker(loaded, progress=False)))
+    return tracked(EngineCore(config, InProcessWorker(loaded, draft_loaded=draft,
+                                                      progress=False)))
+
+
+def _draft_spec(directory, k=3):
+    return SpeculativeConfig(method="draft_model", model=str(directory),
+                             num_speculative_tokens=k)
 
 
 def _prompts(seed, num):
@@ -135,3 +150,41 @@ def test_ngram_greedy_outputs_equal_plain_decoding_on_32_prompts(loaded):
     assert got == want
     assert engine.stats().spec_decode_num_accepted_tokens > 0
     assert not engine.async_scheduling  # drafts need the step before: planned in order
+
+
+def test_a_model_drafting_for_itself_is_accepted_and_changes_no_token(loaded, tmp_path):
+    requests = _requests()
+    want, want_lp = run_engine(_engine(loaded), requests)
+    engine = _engine(loaded, _draft_spec(tmp_path), draft=loaded)
+    got, got_lp = run_engine(engine, requests)
+    _assert_same(got, want, got_lp, want_lp)
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    before = engine.stats()
+    # Two sequences: each draft takes a sampling slot, and the R ladder's top is 8.
+    run_engine(engine, [(f"g{i}", p, greedy) for i, p in enumerate(_prompts(5, 2))])
+    stats = engine.stats()
+    drafted = stats.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
+    accepted = stats.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
+    # The same weights propose what the target samples greedily: only float32 noise
+    # between a one-token query and the verify step's several can flip an argmax.
+    assert drafted >= 2 * 3 * 5 and accepted >= 0.95 * drafted, (accepted, drafted)
+
+
+def test_a_smaller_draft_model_changes_no_token_across_preemption(loaded, small_draft):
+    directory, draft = small_draft
+    requests = _requests()
+    want, want_lp = run_engine(_engine(loaded), requests)
+    engine = _engine(loaded, _draft_spec(directory, k=2), num_blocks=MAX_LEN // 4 + 1,
+                     budget=16, draft=draft)  # preempts
+    got, got_lp = run_engine(engine, requests)
+    _assert_same(got, want, got_lp, want_lp)
+    stats = engine.stats()
+    assert stats.num_preemptions > 0
+    assert stats.spec_decode_num_draft_tokens > 0
+    assert stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
+
+
+def test_a_draft_model_with_another_vocabulary_is_refused(loaded, tmp_path):
+    make_tiny_model("LlamaForCausalLM", tmp_path, seed=9, num_hidden_layers=1, vocab_size=128)
+    with pytest.raises(ValueError, match="vocabulary .*128 tokens.* differs"):
+        _engine(loaded, _draft_spec(tmp_path), draft=load_model(tmp_path, "float32"))
