@@ -299,19 +299,26 @@ def test_structured_outputs(tiny_model_dir, tmp_path):
 
 
 def test_speculative(tiny_model_dir, tmp_path):
-    """Both engines run every workload; the speculative one's outputs are the plain one's,
-    its counters add up, and nothing compiles in the timed window."""
+    """Every engine runs every workload; the speculative ones' outputs are the plain one's,
+    their counters add up, and nothing compiles in the timed window."""
     out = run_bench("speculative", tmp_path, "--model", str(tiny_model_dir), "--max-tokens", "12",
-                    "--repeats", "1", "--prompt-lookup-min", "1", "--workloads", "copy,noisy")
+                    "--repeats", "1", "--prompt-lookup-min", "1", "--workloads", "copy,noisy",
+                    "--draft-model", "self")
     assert set(out["workloads"]) == {"copy", "noisy"}
     for name, row in out["workloads"].items():
-        assert row["identical"], name
-        (plain,), (ngram,) = row["runs"]["plain"], row["runs"]["ngram"]
-        assert plain["compiles"] == ngram["compiles"] == 0, name
-        assert plain["output_tokens"] == ngram["output_tokens"] > 0
-        assert plain["drafts"] == 0 and ngram["accepted_tokens"] <= ngram["draft_tokens"]
-        assert row["speedup"] == pytest.approx(row["output_tokens_per_s"]["ngram"]
-                                               / row["output_tokens_per_s"]["plain"])
-        if ngram["drafts"]:
-            assert row["mean_accepted_length"] == pytest.approx(
-                1 + ngram["accepted_tokens"] / ngram["drafts"])
+        (plain,) = row["runs"]["plain"]
+        assert plain["compiles"] == 0 and plain["drafts"] == 0 and plain["output_tokens"] > 0
+        for method in ("ngram", "draft_model"):
+            assert row["identical"][method], (name, method)
+            (spec,) = row["runs"][method]
+            assert spec["compiles"] == 0, (name, method)
+            assert spec["output_tokens"] == plain["output_tokens"]
+            assert spec["accepted_tokens"] <= spec["draft_tokens"]
+            assert row["speedup"][method] == pytest.approx(
+                row["output_tokens_per_s"][method] / row["output_tokens_per_s"]["plain"])
+            if spec["drafts"]:
+                assert row["mean_accepted_length"][method] == pytest.approx(
+                    1 + spec["accepted_tokens"] / spec["drafts"])
+        if name == "copy":  # greedy: the model drafting for itself is accepted
+            (draft,) = row["runs"]["draft_model"]
+            assert draft["accepted_tokens"] >= 0.9 * draft["draft_tokens"] > 0
