@@ -86,7 +86,9 @@ class LLM:
         load time — int8 with a float32 scale per output channel, int4 with a float32
         scale per group of 32 inputs (one device only), or fp8: e4m3 weights with a
         float32 scale per output channel and e4m3 activations scaled per token (a GPU
-        of compute capability >= 8.9 only; refused elsewhere) (docs/model.md).
+        of compute capability >= 8.9 only; refused elsewhere) (docs/model.md). A
+        compressed-tensors fp8 checkpoint (vLLM's ``*-FP8`` models) is fp8 with None or
+        "fp8", its stored e4m3 weights taken as they are; other methods are refused.
       speculative_config: speculative decoding (vLLM's argument): a dict such as
         ``{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}``
         or a ``SpeculativeConfig``; None = off (docs/speculative_decoding.md).

@@ -96,7 +96,8 @@ class WorkerInit:
         parameter checkpoint; auto = the checkpoint when there is one).
       quantization: None, "int8", "int4" or "fp8": weight-only int8 / group-wise int4,
         or e4m3 weights and activations (fp8, a GPU of compute capability >= 8.9 only),
-        quantized at load time (``jaxserve.model.quantization``).
+        quantized at load time (``jaxserve.model.quantization``); a compressed-tensors
+        fp8 checkpoint's own method replaces None (``compressed_tensors.resolve_quantization``).
       draft_model: a Hugging Face model directory whose model proposes draft
         tokens (speculative decoding, method "draft_model"), or None. It must
         share the target's vocabulary; it is loaded unquantized, with the

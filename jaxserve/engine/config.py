@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxserve.compressed_tensors import resolve_quantization
 from jaxserve.config import check_quantization
 from jaxserve.step_plan import Geometry, WorkerInit
 
@@ -280,7 +281,8 @@ class EngineConfig:
         flag: weight-only int8 / group-wise int4, or e4m3 weights and activations,
         quantized at load time, ``WorkerInit.quantization``; int4 only with
         ``tensor_parallel_size`` 1; fp8 only on a GPU of compute capability >= 8.9,
-        which the worker checks).
+        which the worker checks). A pre-quantized checkpoint's method replaces None
+        in ``for_checkpoint``.
       speculative_config: speculative decoding, or None (off). With it the
         engine schedules synchronously (a step's drafts need the tokens of the
         step before).
@@ -316,6 +318,23 @@ class EngineConfig:
                              f"kernel takes float32 and bfloat16 only)")
         check_quantization(self.quantization,
                            tensor_parallel_size=self.tensor_parallel_size)
+
+    def for_checkpoint(self) -> "EngineConfig":
+        """A new config whose ``quantization`` is the one the model is served with: a
+        pre-quantized checkpoint's own method ("fp8" for a compressed-tensors fp8
+        directory) when ``quantization`` is None or that method
+        (``compressed_tensors.resolve_quantization``, which the worker and the loader call
+        too), else ``quantization`` as given.
+
+        Raises:
+          ValueError: a ``quantization_config`` jaxserve does not load, or another method
+            asked of a pre-quantized checkpoint.
+        """
+        quantization = resolve_quantization(self.model, self.quantization,
+                                            self.tensor_parallel_size)
+        if quantization == self.quantization:
+            return self
+        return dataclasses.replace(self, quantization=quantization)
 
     def worker_init(self) -> WorkerInit:
         """The ``initialize`` request for the worker."""

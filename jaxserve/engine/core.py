@@ -109,7 +109,8 @@ class EngineCore:
       worker: a ``Worker``; ``initialize`` is called here.
 
     Attributes:
-      config: the resolved configuration.
+      config: the resolved configuration (``EngineConfig.for_checkpoint``, then the
+        worker's geometry).
       geometry: what the worker reported.
       limits: the ``RequestLimits`` every request is checked against (the
         geometry's vocabulary, length and EOS ids; ``max_num_seqs``).
@@ -122,6 +123,7 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig, worker: Worker):
         self.worker = worker
+        config = config.for_checkpoint()  # a pre-quantized checkpoint's method
         self.geometry: Geometry = worker.initialize(config.worker_init())
         self.config = config.resolved(self.geometry)
         self.limits = RequestLimits(

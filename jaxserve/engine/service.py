@@ -307,7 +307,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                              "fp8 = e4m3 weights (a float32 scale per output channel) and "
                              "activations (a scale per token), a GPU of compute capability "
                              ">= 8.9 only (docs/model.md); default: the checkpoint's weights as "
-                             "they are")
+                             "they are (a compressed-tensors fp8 checkpoint: fp8)")
     parser.add_argument("--speculative-config", type=speculative_config, default=None,
                         metavar="JSON",
                         help="speculative decoding (vLLM's flag), e.g. '{\"method\": \"ngram\", "

@@ -69,6 +69,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
+from jaxserve.compressed_tensors import resolve_quantization
 from jaxserve.model import quantization as quant, sharding
 from jaxserve.model.attention import check_backend, default_backend
 from jaxserve.model.kv_cache import (KVCache, init_kv_cache, kv_cache_bytes_per_block,
@@ -233,7 +234,10 @@ class InProcessWorker:
             or fp8 on a device without fp8 matrix units (``quantization.check_platform``).
         """
         start = time.perf_counter()
-        init = dataclasses.replace(init, dtype=served_dtype(init.dtype, jax.default_backend()))
+        init = dataclasses.replace(  # quantization: a pre-quantized checkpoint's own method
+            init, dtype=served_dtype(init.dtype, jax.default_backend()),
+            quantization=resolve_quantization(init.model, init.quantization,
+                                              init.tensor_parallel_size))
         if max(init.request_buckets) > init.max_num_seqs:
             raise ValueError(f"request_buckets {init.request_buckets} exceed max_num_seqs "
                              f"{init.max_num_seqs}")
