@@ -17,8 +17,11 @@ head are quantized as they are read (``jaxserve.model.quantization``: int8 plus
 a float32 scale per output channel, or packed int4 plus a float32 scale per group
 of 32 inputs, computed from the float32 tensor); with "fp8" the decoder's linear
 kernels, as float8 e4m3 plus a float32 scale per output channel. So the full float model is never
-in memory either. A directory that names the GGUF file it was converted from
-(``jaxserve.model.gguf_source``: the demo model does) gets its int4 kernels whose
+in memory either. A compressed-tensors fp8 checkpoint (``jaxserve.compressed_tensors``:
+vLLM's pre-quantized ``*-FP8`` models) loads as "fp8" whether or not it is asked for: its
+kernels' e4m3 bytes and scales are taken as stored (a per-tensor scale repeated on every
+row), fused by the same table, never dequantized. A directory that names the GGUF file it
+was converted from (``jaxserve.model.gguf_source``: the demo model does) gets its int4 kernels whose
 GGUF tensors are Q4_1 from that file's blocks instead, exactly as stored
 (``quantization.int4_from_q4_1``), fused and row-ordered by the same table.
 
@@ -44,6 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxserve import compressed_tensors
 from jaxserve.config import ModelConfig
 from jaxserve.model import checkpoint, gguf_source, quantization as quant, sharding
 from jaxserve.model.graph import StaticGraph
@@ -154,7 +158,12 @@ def _hf_sources(path: tuple, layout: _FusedLayout) -> tuple[list[str], Callable[
 
 
 class _SafetensorsIndex:
-    """Tensor name → file, over a single file or a sharded index."""
+    """Tensor name → file, over a single file or a sharded index.
+
+    safetensors' flax reader converts through numpy, which has no float8 type, so an
+    F8_E4M3 tensor (a compressed-tensors fp8 checkpoint's kernels) is read from the
+    file's bytes by ``_float8``.
+    """
 
     def __init__(self, model_dir: pathlib.Path):
         from safetensors import safe_open
@@ -168,6 +177,8 @@ class _SafetensorsIndex:
             if not files:
                 raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
             weight_map = None
+        self._dir = model_dir
+        self._headers: dict[str, tuple[int, dict]] = {}  # file → (data offset, header)
         self._handles = {f: safe_open(os.fspath(model_dir / f), framework="flax") for f in files}
         if weight_map is None:
             weight_map = {k: f for f, h in self._handles.items() for k in h.keys()}
@@ -176,7 +187,32 @@ class _SafetensorsIndex:
     def get(self, name: str) -> jax.Array:
         if name not in self.weight_map:
             raise KeyError(f"tensor {name!r} is missing from the checkpoint")
-        return self._handles[self.weight_map[name]].get_tensor(name)
+        handle = self._handles[self.weight_map[name]]
+        if handle.get_slice(name).get_dtype() == _F8_E4M3:
+            return jnp.asarray(self._float8(name))
+        return handle.get_tensor(name)
+
+    def _float8(self, name: str) -> np.ndarray:
+        """An F8_E4M3 tensor as float8_e4m3fn (ml_dtypes) values, from the file's bytes.
+
+        The safetensors layout (its specification, huggingface/safetensors README): a
+        little-endian u64 header length, a JSON header giving each tensor's dtype, shape
+        and ``data_offsets`` [begin, end) into the data that follows the header.
+        """
+        file = self.weight_map[name]
+        with open(self._dir / file, "rb") as f:
+            if file not in self._headers:
+                header_len = int.from_bytes(f.read(8), "little")
+                self._headers[file] = (8 + header_len, json.loads(f.read(header_len)))
+            data_start, header = self._headers[file]
+            begin, end = header[name]["data_offsets"]
+            f.seek(data_start + begin)
+            data = f.read(end - begin)
+        return np.frombuffer(data, quant.FP8_DTYPE).reshape(header[name]["shape"])
+
+
+# The safetensors dtype code of float8 e4m3 (``jnp.float8_e4m3fn``).
+_F8_E4M3 = "F8_E4M3"
 
 
 def abstract_model(config: ModelConfig, dtype: jnp.dtype, scan_layers: bool = False,
@@ -212,23 +248,65 @@ def _read_param(index: "_SafetensorsIndex", param_path: tuple, dtype: jnp.dtype,
     return combine(*(index.get(n).astype(jnp.float32) for n in names)).astype(dtype), names
 
 
-def _read_q4_1(source: gguf_source.GgufSource, param_path: tuple, layout: _FusedLayout,
-               scanned: bool) -> tuple[jax.Array, jax.Array, list[str]] | None:
-    """One int4 kernel and its scale from the GGUF source's Q4_1 blocks (stacked over the
-    layers when scanned), or None when any of its tensors is not Q4_1 there."""
+def _read_stored(read_one: Callable[[str], tuple[jax.Array, jax.Array] | None],
+                 param_path: tuple, layout: _FusedLayout, scanned: bool
+                 ) -> tuple[jax.Array, jax.Array, list[str]] | None:
+    """One quantized kernel and its scale as the checkpoint stores them (stacked over the
+    layers when scanned), or None when ``read_one`` has none for any of its tensors.
+
+    ``read_one(hf_name)`` gives one Hugging Face kernel's (values [out, ...], scale
+    [out, ...]); the fused kernels' parts are combined by ``_hf_sources``' table, values
+    and scales alike (row operations: a row keeps its scale).
+    """
     if scanned and param_path[0] == "layers":
-        parts = [_read_q4_1(source, ("layers", i, *param_path[1:]), layout, False)
+        parts = [_read_stored(read_one, ("layers", i, *param_path[1:]), layout, False)
                  for i in range(layout.config.num_layers)]
         if any(part is None for part in parts):
             return None
-        packed, scales, names = zip(*parts)
-        return jnp.stack(packed), jnp.stack(scales), [n for layer in names for n in layer]
+        values, scales, names = zip(*parts)
+        return jnp.stack(values), jnp.stack(scales), [n for layer in names for n in layer]
     names, combine = _hf_sources(param_path, layout)
-    rows = [source.q4_1_rows(n) for n in names]
-    if any(r is None for r in rows):
+    parts = [read_one(n) for n in names]
+    if any(part is None for part in parts):
         return None
-    packed, scales = zip(*(quant.int4_from_q4_1(jnp.asarray(r)) for r in rows))
-    return combine(*packed), combine(*scales), names  # row operations: blocks move whole
+    values, scales = zip(*parts)
+    return combine(*values), combine(*scales), names
+
+
+def _q4_1_reader(source: gguf_source.GgufSource) -> Callable[[str], tuple | None]:
+    """``_read_stored``'s reader of the GGUF source's Q4_1 blocks (None: not Q4_1 there)."""
+    def read_one(name: str) -> tuple[jax.Array, jax.Array] | None:
+        rows = source.q4_1_rows(name)
+        return None if rows is None else quant.int4_from_q4_1(jnp.asarray(rows))
+    return read_one
+
+
+def _fp8_reader(index: _SafetensorsIndex) -> Callable[[str], tuple[jax.Array, jax.Array]]:
+    """``_read_stored``'s reader of a compressed-tensors fp8 checkpoint (``jaxserve.
+    compressed_tensors``): ``<name>`` F8_E4M3 [out, in] as it is stored, and
+    ``<name>_scale`` ([out, 1] per channel, or one value per tensor, broadcast to every row)
+    widened to f32[out] — exactly, from float32, bfloat16 or float16.
+
+    Raises:
+      ValueError: a kernel stored in another dtype (a layer the checkpoint's ``ignore``
+        kept float), or a scale that is neither one value nor one per row.
+    """
+    def read_one(name: str) -> tuple[jax.Array, jax.Array]:
+        q = index.get(name)
+        if q.dtype != quant.FP8_DTYPE:
+            raise ValueError(f"{name} is {q.dtype} in a compressed-tensors fp8 checkpoint; "
+                             f"jaxserve serves every decoder linear layer in fp8 (is it in "
+                             f"the checkpoint's quantization_config.ignore?)")
+        scale = index.get(name + compressed_tensors.SCALE_SUFFIX).astype(jnp.float32)
+        out = q.shape[0]
+        if scale.size == 1:
+            return q, jnp.broadcast_to(scale.reshape(()), (out,))
+        if scale.shape not in ((out,), (out, 1)):
+            raise ValueError(f"{name}{compressed_tensors.SCALE_SUFFIX}: shape "
+                             f"{tuple(scale.shape)}, expected ({out}, 1) (channel) or one "
+                             f"value (tensor)")
+        return q, scale.reshape(out)
+    return read_one
 
 
 def load_model(model_dir: str | os.PathLike | None = None, dtype: str | jnp.dtype = "float32",
@@ -248,7 +326,9 @@ def load_model(model_dir: str | os.PathLike | None = None, dtype: str | jnp.dtyp
         (restore the directory's parameter checkpoint) or "auto" (the
         checkpoint when the directory has one, else safetensors).
       quantization: None, "int8", "int4" or "fp8": weight-only int8 / group-wise int4
-        / e4m3 weights (with per-token e4m3 activations) quantized at load time
+        / e4m3 weights (with per-token e4m3 activations) quantized at load time; a
+        compressed-tensors fp8 directory loads as "fp8" with None or "fp8", its stored
+        kernels and scales taken as they are (``compressed_tensors.resolve_quantization``)
         (``jaxserve.model.quantization``; int4 needs the kernels' input dimensions to be
         multiples of 32 and no mesh; fp8 loads on any platform, the worker refuses to
         serve it without fp8 matrix units), int4 kernels
@@ -267,7 +347,9 @@ def load_model(model_dir: str | os.PathLike | None = None, dtype: str | jnp.dtyp
       FileNotFoundError / KeyError: missing files or tensors.
       ValueError: a tensor whose shape does not match the config, a mesh the
         model's heads do not split over (``ModelConfig.for_tensor_parallel``),
-        an unknown ``load_format`` or ``quantization``, or a checkpoint of
+        an unknown ``load_format`` or ``quantization``, a ``quantization_config`` jaxserve
+        does not load or another method for a pre-quantized directory
+        (``compressed_tensors``), a compressed-tensors kernel not stored in fp8, or a checkpoint of
         another dtype, layer layout, tensor-parallel size or quantization (the
         message names the field).
     """
@@ -285,6 +367,8 @@ def load_model(model_dir: str | os.PathLike | None = None, dtype: str | jnp.dtyp
     dtype = resolve_dtype(dtype)
     checkpoint_config = ModelConfig.from_pretrained(path)
     tp = sharding.mesh_size(mesh)
+    stored = compressed_tensors.checkpoint_quantization(path)
+    quantization = compressed_tensors.resolve_quantization(path, quantization, tp)
     quant.check_model(checkpoint_config, quantization, tp)
     config = checkpoint_config.for_tensor_parallel(tp)
     has_checkpoint = (path / checkpoint.METADATA_FILE).is_file()
@@ -306,6 +390,9 @@ def load_model(model_dir: str | os.PathLike | None = None, dtype: str | jnp.dtyp
     # device receives its slice; without, on the default device.
     host = None if mesh is None else jax.local_devices(backend="cpu")[0]
     source = gguf_source.open_gguf_source(path) if quantization == "int4" else None
+    # the kernels a checkpoint stores quantized, taken as they are (method → reader)
+    stored_readers = {"int4": None if source is None else _q4_1_reader(source),
+                      "fp8": _fp8_reader(index) if stored == "fp8" else None}
     abstracts = dict(nnx.to_flat_state(state))
     filled, from_gguf = {}, 0
     for param_path, abstract in abstracts.items():
@@ -317,12 +404,13 @@ def load_model(model_dir: str | os.PathLike | None = None, dtype: str | jnp.dtyp
         quantized = method is not None
         scale_path = (*param_path[:-1], f"{name}{quant.SCALE_SUFFIX}")
         with jax.default_device(host):
-            direct = (None if source is None or method != "int4" else
-                      _read_q4_1(source, param_path, layout, scan_layers))
-            if direct is not None:  # as the GGUF file stores it
-                packed, scale, names = direct
-                values = {param_path: packed, scale_path: scale}
-                from_gguf += 1
+            read_one = stored_readers.get(method)
+            direct = (None if read_one is None else
+                      _read_stored(read_one, param_path, layout, scan_layers))
+            if direct is not None:  # as the checkpoint (or the GGUF file) stores it
+                kernel, scale, names = direct
+                values = {param_path: kernel, scale_path: scale}
+                from_gguf += method == "int4"
             else:
                 value, names = _read_param(index, param_path,
                                            jnp.float32 if quantized else dtype, layout,
@@ -420,6 +508,9 @@ def save_model_checkpoint(model_dir: str | os.PathLike | None, output_dir: str |
         model_dir = ensure_demo_model()
     model_dir, output_dir = pathlib.Path(model_dir), pathlib.Path(output_dir)
     checkpoint.check_destination(output_dir, force)  # before the conversion, not after
+    # a pre-quantized directory's method, recorded with its parameters
+    quantization = compressed_tensors.resolve_quantization(model_dir, quantization,
+                                                           sharding.mesh_size(mesh))
     config, _, params = load_model(model_dir, dtype, scan_layers, mesh, load_format="safetensors",
                                    quantization=quantization)
     checkpoint.save_params(output_dir, params, config=config,
