@@ -78,6 +78,13 @@ dynamic per-token activation scales). fp8 needs fp8 matrix units: a GPU of compu
 capability 8.9 or higher (``check_platform``; elsewhere it is refused at start-up,
 though the numerics run anywhere at the function level).
 
+*Pre-quantized fp8 checkpoints*: a compressed-tensors fp8 directory (vLLM's ``*-FP8``
+models; ``jaxserve.compressed_tensors``) stores each decoder kernel as e4m3 ``[out, in]``
+with a scale per output channel or per tensor, the same symmetric absmax format; the
+loader takes its bytes and scales as they are into this representation (a per-tensor
+scale repeated on every row), never dequantizing. Its activations stay dynamic per token
+here, even where the checkpoint carries static ``input_scale`` values (docs/model.md).
+
 *Which kernels under fp8*: the decoder's linear kernels; the embedding and the LM head
 stay in the model's float dtype (``method_for`` gives None), as vLLM's fp8 keeps
 ``lm_head`` and ``embed_tokens`` unquantized: the logits feed sampling directly, the
