@@ -100,10 +100,10 @@ class WorkerInit:
         fp8 checkpoint's own method replaces None (``compressed_tensors.resolve_quantization``).
       draft_model: a Hugging Face model directory whose model proposes draft
         tokens (speculative decoding, method "draft_model"), or None. It must
-        share the target's vocabulary; it is loaded unquantized, with the
-        target's dtype, layer layout and tensor parallelism, and its KV cache
-        has the target's blocks (the same block ids hold both models' keys
-        and values of the same tokens).
+        share the target's vocabulary; it is loaded unquantized (a pre-quantized
+        checkpoint as its own method), with the target's dtype, layer layout and
+        tensor parallelism, and its KV cache has the target's blocks (the same
+        block ids hold both models' keys and values of the same tokens).
       num_speculative_tokens: k, the draft model's tokens per row per step
         (with ``draft_model``).
     """

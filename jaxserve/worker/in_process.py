@@ -65,7 +65,6 @@ import threading
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
@@ -366,8 +365,9 @@ class InProcessWorker:
         """The draft model ``(config, graphdef, state)``, or None without one.
 
         Raises:
-          ValueError: a draft model without k >= 1, or whose vocabulary differs
-            from the target's.
+          ValueError: a draft model without k >= 1, whose vocabulary differs
+            from the target's, or a pre-quantized fp8 one on a device without fp8
+            matrix units.
         """
         if init.draft_model is None and self._draft_loaded is None:
             return None
@@ -377,6 +377,9 @@ class InProcessWorker:
         draft = self._draft_loaded or load_model(init.draft_model, init.dtype,
                                                  scan_layers=init.scan_layers, mesh=self.mesh,
                                                  load_format=init.load_format)
+        device = jax.devices()[0]  # a pre-quantized (fp8) draft checkpoint loads as fp8
+        quant.check_platform(quant.params_method(draft[2]), device.platform,
+                             getattr(device, "compute_capability", None))
         if draft[0].vocab_size != config.vocab_size:
             raise ValueError(f"speculative_config model {init.draft_model}: its vocabulary "
                              f"({draft[0].vocab_size} tokens) differs from the target "
