@@ -221,6 +221,7 @@ class InProcessWorker:
         self.background_compile: BackgroundCompile | None = None  # middle sampler variants
         self._clock = DeviceClock()
         self._verifying: PendingStep | None = None  # the last step with drafts, until read
+        self.num_proposal_steps = 0  # steps whose draft model proposed (draft_proposals[R])
         self.ready = False
 
     # ---------------------------------------------------------------- set-up
@@ -539,7 +540,11 @@ class InProcessWorker:
             drafts = (kept, slots[plan.sample], functools.partial(rows.count_accepted, sampling))
             kept.copy_to_host_async()
         proposals = None
-        if self.draft is not None:  # the next step's drafts, in the same download
+        # The next step's drafts, in the same download — unless this step's sampling rows
+        # fill the R ladder's top: each draft takes a sampling slot, so the next step
+        # (as full) would have no room for them (the draft body above still runs: the
+        # draft cache must hold every computed position).
+        if self.draft is not None and plan.sample.sum() < self.request_buckets[-1]:
             k = self.init.num_speculative_tokens
             self.draft_kv_cache, proposed = self._call(
                 draft_proposals_name(r), functools.partial(
@@ -550,6 +555,7 @@ class InProcessWorker:
             proposed.copy_to_host_async()
             per_row = slots[plan.sample]
             proposals = (proposed, (np.cumsum(per_row) - per_row).astype(np.intp))
+            self.num_proposal_steps += 1
         for leaf in jax.tree.leaves(out if logprobs else out.token_ids):
             leaf.copy_to_host_async()
         pending = PendingStep(plan.step_id, len(sample_rows), out, logprobs, out.token_ids,

@@ -156,8 +156,19 @@ def test_a_model_drafting_for_itself_is_accepted_and_changes_no_token(loaded, tm
     requests = _requests()
     want, want_lp = run_engine(_engine(loaded), requests)
     engine = _engine(loaded, _draft_spec(tmp_path), draft=loaded)
+    full = []  # a step whose sampling rows fill the R ladder's top proposes nothing
+    real_update = engine.scheduler.update
+
+    def update(step, result):
+        if sum(step.sample) == 8:
+            full.append(result.draft_token_ids)
+        return real_update(step, result)
+
+    engine.scheduler.update = update
     got, got_lp = run_engine(engine, requests)
     _assert_same(got, want, got_lp, want_lp)
+    assert full and all(proposed is None for proposed in full)
+    assert 0 < engine.worker.num_proposal_steps < engine.num_steps
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     before = engine.stats()
     # Two sequences: each draft takes a sampling slot, and the R ladder's top is 8.
