@@ -154,7 +154,7 @@ class LLM:
             scan_layers=scan_layers, tensor_parallel_size=tensor_parallel_size,
             load_format=load_format, quantization=quantization,
             tokenizer=str(tokenizer or path),
-            speculative_config=SpeculativeConfig.of(speculative_config),
+            speculative_config=_checked(SpeculativeConfig.of(speculative_config)),
             compile=CompileConfig(cache_dir=compilation_cache_dir,
                                   strict_recompile=strict_recompile))
         if worker is None or worker == "in_process":
@@ -422,3 +422,8 @@ def _progress(total: int, enabled: bool):
     from tqdm.auto import tqdm
 
     return tqdm(total=total, desc="Processed prompts", unit="req")
+
+
+def _checked(spec: SpeculativeConfig | None) -> SpeculativeConfig | None:
+    """A draft model's directory checked before anything loads (``with_model_checked``)."""
+    return None if spec is None else spec.with_model_checked()

@@ -187,6 +187,9 @@ class SpeculativeConfig:
     model: str | None = None
 
     def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config method must be one of "
+                             f"{', '.join(SPECULATIVE_METHODS)}, got {self.method!r}")
         if (self.method == "draft_model") != (self.model is not None):
             raise ValueError("speculative_config model (the draft model's directory) is "
                              "needed with method draft_model, and only with it; got method "
@@ -201,9 +204,6 @@ class SpeculativeConfig:
                     optional and value is None):
                 raise ValueError(f"speculative_config {name} must be an integer, got "
                                  f"{value!r}")
-        if self.method not in SPECULATIVE_METHODS:
-            raise ValueError(f"speculative_config method must be one of "
-                             f"{', '.join(SPECULATIVE_METHODS)}, got {self.method!r}")
         if self.num_speculative_tokens < 1:
             raise ValueError(f"speculative_config num_speculative_tokens must be >= 1, got "
                              f"{self.num_speculative_tokens}")
@@ -244,6 +244,27 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config needs a method (one of "
                              f"{', '.join(SPECULATIVE_METHODS)})")
         return cls(**config)
+
+    def with_model_checked(self) -> SpeculativeConfig:
+        """This config with a draft model's directory checked and made absolute (``~``
+        expanded), so a bad path is refused at start-up, before any model loads.
+
+        Raises:
+          ValueError: the directory does not exist or has no config.json (naming
+            ``speculative_config model``).
+        """
+        if self.model is None:
+            return self
+        from jaxserve.demo_model import resolve_model_path
+
+        if not self.model:
+            raise ValueError("speculative_config model is empty; give the draft model's "
+                             "Hugging Face directory")
+        try:
+            path = resolve_model_path(self.model)
+        except FileNotFoundError as err:
+            raise ValueError(f"speculative_config model: {err}") from None
+        return dataclasses.replace(self, model=str(path))
 
     @classmethod
     def of(cls, config: dict | SpeculativeConfig | None) -> SpeculativeConfig | None:
@@ -355,7 +376,15 @@ class EngineConfig:
         spec = self.speculative_config
         if spec is None or spec.method != "draft_model":
             return {}
-        return {"draft_model": spec.model, "num_speculative_tokens": spec.num_speculative_tokens}
+        return {"draft_model": spec.model, "num_speculative_tokens": self.max_drafts}
+
+    @property
+    def max_drafts(self) -> int:
+        """The most drafts one sequence can carry into a step: k, capped by the R ladder's
+        top less the sequence's own slot (each draft is a sampling slot), at least 1."""
+        spec = self.speculative_config
+        k = spec.num_speculative_tokens if spec is not None else 0
+        return max(1, min(k, self.scheduler.request_buckets[-1] - 1))
 
     def resolved(self, geometry: Geometry) -> "EngineConfig":
         """A new config with the worker's geometry filled in.

@@ -158,6 +158,15 @@ class EngineCore:
                         f"draft model {spec.model}" if spec.model else
                         f"prompt lookup {spec.prompt_lookup_min}..{spec.prompt_lookup_max}")
             sched = self.config.scheduler
+            if 1 < sched.request_buckets[-1] <= spec.num_speculative_tokens:
+                logger.warning(
+                    "speculative decoding: num_speculative_tokens %d exceeds the room a "
+                    "step has: each draft is a sampling slot and the R ladder's top is %d "
+                    "(from max_num_seqs %d), so a sequence carries at most %d drafts%s; "
+                    "raise max_num_seqs or lower num_speculative_tokens",
+                    spec.num_speculative_tokens, sched.request_buckets[-1], sched.max_num_seqs,
+                    self.config.max_drafts,
+                    " (the draft model proposes that many)" if spec.model else "")
             if sched.request_buckets[-1] <= 1:
                 logger.warning(
                     "speculative decoding has no room: each draft is a sampling slot, and "

@@ -292,7 +292,7 @@ class Scheduler:
         """Blocks for k tokens past each sampling sequence's query, where free: the draft
         model writes its proposals' keys and values there in this step (without them
         its proposals past a block's end are worse, never wrong)."""
-        k = self.speculative.num_speculative_tokens
+        k = self.config.max_drafts  # the draft model's proposals per row
         for i, req in enumerate(step.reqs):
             if step.sample[i]:
                 drafts = len(step.drafts[i]) if step.drafts else 0

@@ -280,8 +280,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="fraction of each GPU's total memory the worker may use: weights, "
                              "activations and the KV cache, which gets the rest (default 0.9, "
                              "as vLLM's; the worker's XLA_PYTHON_CLIENT_MEM_FRACTION)")
-    parser.add_argument("--no-prefix-caching", action="store_true",
+    parser.add_argument("--no-prefix-caching", "--no-enable-prefix-caching",
+                        dest="no_prefix_caching", action="store_true",
                         help="turn prefix caching off")
+    parser.add_argument("--enable-prefix-caching", dest="no_prefix_caching",
+                        action="store_false",
+                        help="prefix caching on (the default; vLLM's flag)")
     parser.add_argument("--no-chunked-prefill", action="store_true",
                         help="turn chunked prefill off")
     parser.add_argument("--seed", type=int, default=0, help="server seed for unseeded sampling")
@@ -360,7 +364,7 @@ def speculative_config(text: str) -> SpeculativeConfig:
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"a JSON object is needed, got {text!r}")
     try:
-        return SpeculativeConfig.from_dict(value)
+        return SpeculativeConfig.from_dict(value).with_model_checked()
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
 

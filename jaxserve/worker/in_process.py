@@ -366,18 +366,22 @@ class InProcessWorker:
         """The draft model ``(config, graphdef, state)``, or None without one.
 
         Raises:
-          ValueError: a draft model without k >= 1, whose vocabulary differs
-            from the target's, or a pre-quantized fp8 one on a device without fp8
-            matrix units.
+          ValueError: a draft model without k >= 1, that does not load (a shape the
+            mesh cannot split, a missing file; the message names the draft), whose
+            vocabulary differs from the target's, or a pre-quantized fp8 one on a
+            device without fp8 matrix units.
         """
         if init.draft_model is None and self._draft_loaded is None:
             return None
         if init.num_speculative_tokens < 1:
             raise ValueError(f"a draft model needs num_speculative_tokens >= 1, got "
                              f"{init.num_speculative_tokens}")
-        draft = self._draft_loaded or load_model(init.draft_model, init.dtype,
-                                                 scan_layers=init.scan_layers, mesh=self.mesh,
-                                                 load_format=init.load_format)
+        try:
+            draft = self._draft_loaded or load_model(
+                init.draft_model, init.dtype, scan_layers=init.scan_layers, mesh=self.mesh,
+                load_format=init.load_format)
+        except (ValueError, FileNotFoundError) as err:  # name the draft, not the target
+            raise ValueError(f"speculative_config model {init.draft_model}: {err}") from err
         device = jax.devices()[0]  # a pre-quantized (fp8) draft checkpoint loads as fp8
         quant.check_platform(quant.params_method(draft[2]), device.platform,
                              getattr(device, "compute_capability", None))

@@ -79,12 +79,49 @@ def test_speculative_config_reaches_the_engine_process():
     assert engine_config(_parse(*engine_flags(args))).speculative_config == spec
     assert "--speculative-config" not in engine_flags(_parse())
     assert engine_config(_parse()).speculative_config is None
-    args = _parse("--speculative-config", '{"model": "/draft", "num_speculative_tokens": 2}')
+
+
+def test_a_draft_model_flag_reaches_the_worker_with_its_directory_checked(tmp_path, monkeypatch):
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    (draft / "config.json").write_text("{}")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    args = _parse("--speculative-config", '{"model": "~/draft", "num_speculative_tokens": 2}')
     spec = engine_config(args).speculative_config
-    assert (spec.method, spec.model, spec.num_speculative_tokens) == ("draft_model", "/draft", 2)
+    assert (spec.method, spec.model, spec.num_speculative_tokens) == (
+        "draft_model", str(draft), 2)  # ~ expanded, absolute
     assert engine_config(_parse(*engine_flags(args))).speculative_config == spec
     init = engine_config(args).worker_init()
-    assert (init.draft_model, init.num_speculative_tokens) == ("/draft", 2)
+    assert (init.draft_model, init.num_speculative_tokens) == (str(draft), 2)
+    # k is capped by the R ladder's top less the sequence's own slot: 4 rows, 3 drafts
+    args = _parse("--max-num-seqs", "4", "--speculative-config",
+                  f'{{"model": "{draft}", "num_speculative_tokens": 50}}')
+    assert engine_config(args).worker_init().num_speculative_tokens == 3
+
+
+@pytest.mark.parametrize("model, why", [
+    ("/nonexistent/draft", "speculative_config model: model '/nonexistent/draft' is not a "
+                           "directory"),
+    ("", "speculative_config model is empty"),
+    ("FILE", "is not a directory"),
+    ("NOCONFIG", "has no config.json"),
+])
+def test_a_bad_draft_model_directory_is_refused_by_argparse(model, why, tmp_path, capsys):
+    (tmp_path / "file").write_text("x")
+    model = {"FILE": str(tmp_path / "file"), "NOCONFIG": str(tmp_path)}.get(model, model)
+    with pytest.raises(SystemExit):
+        _parse("--speculative-config", f'{{"model": "{model}"}}')
+    err = capsys.readouterr().err
+    assert "--speculative-config" in err and why in err and "Traceback" not in err
+
+
+def test_prefix_caching_takes_vllms_flags_too():
+    assert engine_config(_parse()).cache.enable_prefix_caching
+    assert engine_config(_parse("--enable-prefix-caching")).cache.enable_prefix_caching
+    for flag in ("--no-prefix-caching", "--no-enable-prefix-caching"):
+        args = _parse(flag)
+        assert not engine_config(args).cache.enable_prefix_caching
+        assert not engine_config(_parse(*engine_flags(args))).cache.enable_prefix_caching
 
 
 @pytest.mark.parametrize("bad, why", [
@@ -93,6 +130,7 @@ def test_speculative_config_reaches_the_engine_process():
     ('{"num_speculative_tokens": 3}', "needs a method"),
     ('{"method": "eagle"}', "method must be one of ngram, draft_model"),
     ('{"method": "draft_model"}', "is needed with method draft_model"),
+    ('{"method": "draft-model", "model": "/m"}', "method must be one of ngram, draft_model"),
     ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens must be >= 1"),
     ('{"draft_model": "x"}', "unknown key"),
 ])

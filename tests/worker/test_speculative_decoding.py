@@ -199,3 +199,8 @@ def test_a_draft_model_with_another_vocabulary_is_refused(loaded, tmp_path):
     make_tiny_model("LlamaForCausalLM", tmp_path, seed=9, num_hidden_layers=1, vocab_size=128)
     with pytest.raises(ValueError, match="vocabulary .*128 tokens.* differs"):
         _engine(loaded, _draft_spec(tmp_path), draft=load_model(tmp_path, "float32"))
+
+
+def test_a_draft_model_that_does_not_load_is_named(loaded, tmp_path):
+    with pytest.raises(ValueError, match=f"^speculative_config model {tmp_path}: .*no config"):
+        _engine(loaded, _draft_spec(tmp_path))
