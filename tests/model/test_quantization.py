@@ -234,6 +234,36 @@ def test_fp8_linear_is_the_quantize_then_multiply_oracle(rows):
                                atol=1e-3 * np.abs(want16).max())
 
 
+# The demo model's (SmolLM2-135M) fp8 products, [in, out]: qkv_proj, o_proj, gate_up_proj,
+# down_proj; at the row count of benchmarks.quantization's text (181 tokens).
+@pytest.mark.parametrize("in_dim,out_dim", [(576, 960), (576, 576), (576, 3072), (1536, 576)],
+                         ids=["qkv", "o", "gate_up", "down"])
+def test_fp8_dot_is_exact_at_the_demo_models_shapes(in_dim, out_dim):
+    """The CPU's fp8 dot (XLA widens both e4m3 operands to float32; the products are exact
+    there, 4 + 4 significant bits) against float64 sums of the same e4m3 values. Each row's
+    absmax is 448 · 2^k, so its scale is 2^k whether it is computed as absmax / 448 or absmax ·
+    (1 / 448) (XLA may rewrite the division): the e4m3 values of x are unambiguous and the
+    oracle shares nothing with the code under test but the weights' e4m3 values. A dot that
+    rounded its operands or its sums to 16 bits would miss by ~1e-3 of the output's scale;
+    float32 sums of 1536 terms stay well within 1e-5."""
+    from jaxserve.model.llama import linear
+
+    rows = 181
+    rng = np.random.default_rng(in_dim + out_dim)
+    w = rng.standard_normal((out_dim, in_dim)).astype(np.float32) * rng.uniform(0.01, 0.2,
+                                                                                 (out_dim, 1))
+    k = rng.integers(-6, 4, rows)
+    x = (rng.standard_normal((rows, in_dim)) * 60).clip(-440, 440).astype(np.float32)
+    x[np.arange(rows), rng.integers(0, in_dim, rows)] = 448 * rng.choice([-1, 1], rows)
+    x *= np.exp2(k)[:, None].astype(np.float32)
+    q, scale = quantization.quantize(jnp.asarray(w), "fp8")
+    xq = _e4m3_round(x * np.exp2(-k)[:, None].astype(np.float32))  # the ratio is exact
+    want = (xq @ np.asarray(q.astype(jnp.float32), np.float64).T
+            * np.exp2(k)[:, None] * np.asarray(scale, np.float64))
+    got = np.asarray(jax.jit(linear)(jnp.asarray(x), q, scale), np.float64)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
 def test_fp8_quantizes_the_decoder_kernels_only():
     params = {"embed": jnp.ones((8, 4)), "lm_head": jnp.ones((8, 4)), "norm": {"weight": jnp.ones(4)},
               "layers": {0: {"attn": {"qkv_proj": jnp.ones((6, 4)), "o_proj": jnp.ones((4, 4))},
