@@ -51,6 +51,17 @@ if ! "$vpython" -c "import flax, transformers, grpc, pytest_timeout" 2>/dev/null
 fi
 jax_version="$("$vpython" -c 'import jax; print(jax.__version__)')"
 if ! "$vpython" -c "import jax_plugins.xla_cuda$cuda" 2>/dev/null; then
+  # The plugin can lag a jax release by days. Then this environment gets its own jax
+  # and jaxlib at the newest release the plugin has (its site-packages come before
+  # the base environment's on sys.path), and the tier compiles with that release.
+  available="$("$vpython" -m pip index versions "jax-cuda$cuda-plugin" 2>/dev/null \
+    | sed -n 's/^Available versions: //p')"
+  if [[ -n "$available" && ", $available," != *", $jax_version,"* ]]; then
+    newest="${available%%,*}"
+    echo "no CUDA $cuda plugin for jax $jax_version yet: this environment uses jax $newest"
+    "$vpython" -m pip install --quiet --no-deps "jax==$newest" "jaxlib==$newest"
+    jax_version="$newest"
+  fi
   echo "installing the CUDA $cuda plugin for jax $jax_version"
   "$vpython" -m pip install --quiet --no-deps \
     "jax-cuda$cuda-plugin==$jax_version" "jax-cuda$cuda-pjrt==$jax_version"
