@@ -1,11 +1,12 @@
-"""Weight-only int8 and int4 against float32: perplexity of a fixed text and decode tokens/s,
-side by side in one run.
+"""Weight-only int8 and int4, and the fp8 KV cache, against float32: perplexity of a fixed
+text and decode tokens/s, side by side in one run.
 
 Run: ``python -m benchmarks.quantization [--model DIR] [--new-tokens N]`` (default: the
-demo model; about three minutes on the 2-core CPU).
+demo model; about four minutes on the 2-core CPU).
 
-For each of float32, int8 and int4 (``quantization="int8"`` / ``"int4"``,
-``jaxserve.model.quantization``):
+For each of float32, int8, int4 (``quantization="int8"`` / ``"int4"``,
+``jaxserve.model.quantization``) and float32 weights over an fp8 KV cache
+(``kv_cache_dtype="fp8"``, "float32+kv-fp8"; ``jaxserve.model.kv_cache``):
 
 - **perplexity** of ``TEXT`` (a fixed English paragraph, ~250 tokens of the demo
   tokenizer): one prefill of the whole text through the worker's step body
@@ -40,7 +41,13 @@ from benchmarks import common
 logger = logging.getLogger(__name__)
 
 NAME = "quantization"
-METHODS = (None, "int8", "int4")
+# (quantization, kv_cache_dtype) of each variant measured.
+VARIANTS = ((None, "auto"), ("int8", "auto"), ("int4", "auto"), (None, "fp8"))
+
+
+def variant_name(quantization: str | None, kv_cache_dtype: str) -> str:
+    """"float32", "int8", "int4"; "+kv-fp8" appended for an fp8 KV cache."""
+    return (quantization or "float32") + ("" if kv_cache_dtype == "auto" else "+kv-" + kv_cache_dtype)
 TEXT = (
     "The history of the printing press begins in the fifteenth century, when Johannes "
     "Gutenberg combined a screw press, oil-based ink and movable metal type into a system "
@@ -66,11 +73,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="batch sizes timed (default 1 16)")
 
 
-def text_logits(loaded, token_ids: list[int], block_size: int = 16):
-    """f32[n, V] logits of every position of ``token_ids`` (n tokens), one prefill step."""
+def text_logits(loaded, token_ids: list[int], block_size: int = 16, kv_cache_dtype: str = "auto"):
+    """f32[n, V] logits of every position of ``token_ids`` (n tokens), one prefill step
+    (its attention reads every key and value back from the cache, so an fp8 cache's
+    rounding is in every position's logits)."""
     import jax.numpy as jnp
     import numpy as np
 
+    from jaxserve.config import kv_cache_dtype_name
     from jaxserve.model.attention import default_backend
     from jaxserve.model.kv_cache import NULL_BLOCK, init_kv_cache
     from jaxserve.worker.inputs import StepLayout, pack
@@ -79,7 +89,8 @@ def text_logits(loaded, token_ids: list[int], block_size: int = 16):
     config, graphdef, state = loaded
     n = len(token_ids)
     num_blocks = -(-n // block_size)
-    cache = init_kv_cache(config, num_blocks + 1, block_size, jnp.float32)
+    cache = init_kv_cache(config, num_blocks + 1, block_size,
+                          jnp.dtype(kv_cache_dtype_name(kv_cache_dtype, "float32")))
     block_table = jnp.full((2, num_blocks), NULL_BLOCK, jnp.int32)  # row 0 + the padding row
     layout = StepLayout.for_bucket(n, 1, block_size)
     i32 = lambda x: np.asarray(x, np.int32)  # noqa: E731
@@ -93,11 +104,12 @@ def text_logits(loaded, token_ids: list[int], block_size: int = 16):
     return np.asarray(logits)[:n]
 
 
-def perplexity(loaded, token_ids: list[int], block_size: int = 16) -> float:
+def perplexity(loaded, token_ids: list[int], block_size: int = 16,
+               kv_cache_dtype: str = "auto") -> float:
     """exp of the mean negative log-likelihood of ``token_ids[1:]``, one prefill step."""
     import numpy as np
 
-    logits = text_logits(loaded, token_ids, block_size).astype(np.float64)[:-1]
+    logits = text_logits(loaded, token_ids, block_size, kv_cache_dtype).astype(np.float64)[:-1]
     logp = logits - logits.max(-1, keepdims=True)
     logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
     nll = -logp[np.arange(len(token_ids) - 1), token_ids[1:]].mean()
@@ -105,7 +117,8 @@ def perplexity(loaded, token_ids: list[int], block_size: int = 16) -> float:
 
 
 def decode_tokens_per_s(model_dir: str, tokenizer: str | None, quantization: str | None,
-                        batches: tuple[int, ...], new_tokens: int, repeats: int = 3
+                        batches: tuple[int, ...], new_tokens: int, repeats: int = 3,
+                        kv_cache_dtype: str = "auto"
                         ) -> tuple[dict[str, float], list[list[int]]]:
     """({"batch_<B>": tokens/s}, the largest batch's greedy token ids) of ``jaxserve.LLM``
     generating ``new_tokens`` per request (the median of ``repeats`` timed runs)."""
@@ -114,7 +127,8 @@ def decode_tokens_per_s(model_dir: str, tokenizer: str | None, quantization: str
     top = max(batches)
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     out, tokens = {}, []
-    with LLM(model_dir, tokenizer=tokenizer, quantization=quantization, max_num_seqs=top,
+    with LLM(model_dir, tokenizer=tokenizer, quantization=quantization,
+             kv_cache_dtype=kv_cache_dtype, max_num_seqs=top,
              max_num_batched_tokens=max(8 * top, 16), max_model_len=256) as llm:
         prompt = llm.get_tokenizer().encode(" The quick brown fox jumps over the")[:8]
         llm.generate([{"prompt_token_ids": prompt}] * top, params, use_tqdm=False)  # warm-up
@@ -157,21 +171,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {"args": vars(args), "text_tokens": len(token_ids), "methods": {}}
     outputs: dict[str, list[list[int]]] = {}
     argmax: dict[str, Any] = {}
-    for method in METHODS:
-        name = method or "float32"
+    for method, kv_cache_dtype in VARIANTS:
+        name = variant_name(method, kv_cache_dtype)
         loaded = load_model(model_dir, "float32", quantization=method)
         entry = {"param_bytes": param_bytes(loaded[2]),
-                 "perplexity": perplexity(loaded, token_ids)}
-        argmax[name] = text_logits(loaded, token_ids).argmax(-1)
+                 "perplexity": perplexity(loaded, token_ids, kv_cache_dtype=kv_cache_dtype)}
+        argmax[name] = text_logits(loaded, token_ids, kv_cache_dtype=kv_cache_dtype).argmax(-1)
         del loaded
         entry["tokens_per_s"], outputs[name] = decode_tokens_per_s(
             model_dir, args.tokenizer, method, tuple(args.batches), args.new_tokens,
-            args.repeats)
+            args.repeats, kv_cache_dtype)
         result["methods"][name] = entry
         logger.info("%s: %s", name, entry)
     f32 = result["methods"]["float32"]
     result["against_float32"] = {}
-    for name in [m for m in METHODS if m is not None]:
+    for name in [n for n in result["methods"] if n != "float32"]:
         entry = result["methods"][name]
         result["against_float32"][name] = {
             "perplexity_delta": entry["perplexity"] - f32["perplexity"],

@@ -44,6 +44,27 @@ def check_quantization(quantization: str | None, field: str = "quantization",
                          f"{tensor_parallel_size} (use int8 for tensor parallelism)")
 
 
+# KV cache dtypes (vLLM's ``kv_cache_dtype``): "auto" stores keys and values in the
+# parameter dtype; "fp8" and its alias "fp8_e4m3" in e4m3 with a scale per layer
+# (jaxserve.model.kv_cache). vLLM's fp8_e5m2 and fp8_inc are not served.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+
+
+def check_kv_cache_dtype(kv_cache_dtype: str, field: str = "kv_cache_dtype") -> None:
+    """Raises ValueError (one line, naming ``field`` and the supported values) unless
+    ``kv_cache_dtype`` is one of ``KV_CACHE_DTYPES``."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"{field} must be one of {', '.join(map(repr, KV_CACHE_DTYPES))}; "
+                         f"got {kv_cache_dtype!r}")
+
+
+def kv_cache_dtype_name(kv_cache_dtype: str, dtype: str) -> str:
+    """The cache arrays' dtype name: ``dtype`` (the parameters') for "auto", else
+    "float8_e4m3fn". Raises ValueError as ``check_kv_cache_dtype``."""
+    check_kv_cache_dtype(kv_cache_dtype)
+    return dtype if kv_cache_dtype == "auto" else "float8_e4m3fn"
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class RopeScaling:
     """Llama-3 style RoPE frequency scaling.

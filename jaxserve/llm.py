@@ -89,6 +89,10 @@ class LLM:
         of compute capability >= 8.9 only; refused elsewhere) (docs/model.md). A
         compressed-tensors fp8 checkpoint (vLLM's ``*-FP8`` models) is fp8 with None or
         "fp8", its stored e4m3 weights taken as they are; other methods are refused.
+      kv_cache_dtype: "auto" (the KV cache in ``dtype``), "fp8" or "fp8_e4m3" (vLLM's
+        argument): keys and values stored as e4m3 with a scale per layer, 1 byte an
+        element, so the cache holds 2× a bfloat16 one's tokens (4× float32's) in the
+        same bytes (``jaxserve.model.kv_cache``; docs/kv_cache.md).
       speculative_config: speculative decoding (vLLM's argument): a dict such as
         ``{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}``
         or a ``SpeculativeConfig``; None = off (docs/speculative_decoding.md).
@@ -126,7 +130,7 @@ class LLM:
                  attention_backend: str | None = None, seed: int = 0,
                  async_scheduling: bool = True, scan_layers: bool = False,
                  tensor_parallel_size: int = 1, load_format: str = "auto",
-                 quantization: str | None = None,
+                 quantization: str | None = None, kv_cache_dtype: str = "auto",
                  speculative_config: dict | SpeculativeConfig | None = None,
                  compilation_cache_dir: str | None = None,
                  strict_recompile: bool = False, generation_config: str = "auto",
@@ -149,7 +153,8 @@ class LLM:
                 token_buckets=tuple(token_buckets), request_buckets=tuple(request_buckets)),
             cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
                               kv_cache_bytes=kv_cache_bytes,
-                              enable_prefix_caching=enable_prefix_caching),
+                              enable_prefix_caching=enable_prefix_caching,
+                              kv_cache_dtype=kv_cache_dtype),
             attention_backend=attention_backend, seed=seed, async_scheduling=async_scheduling,
             scan_layers=scan_layers, tensor_parallel_size=tensor_parallel_size,
             load_format=load_format, quantization=quantization,

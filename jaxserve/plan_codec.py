@@ -73,7 +73,8 @@ def init_to_proto(init: WorkerInit) -> wpb.InitializeRequest:
         seed_json=json.dumps(int(init.seed)), memory_utilization=init.memory_utilization,
         precompile=init.precompile, strict_recompile=init.strict_recompile,
         scan_layers=init.scan_layers, tensor_parallel_size=init.tensor_parallel_size,
-        load_format=init.load_format, num_speculative_tokens=init.num_speculative_tokens)
+        load_format=init.load_format, num_speculative_tokens=init.num_speculative_tokens,
+        kv_cache_dtype=init.kv_cache_dtype)
     for field in ("model", "num_kv_blocks", "kv_cache_bytes", "max_model_len",
                   "attention_backend", "compilation_cache_dir", "quantization", "draft_model"):
         value = getattr(init, field)
@@ -95,7 +96,8 @@ def init_from_proto(msg: wpb.InitializeRequest) -> WorkerInit:
         compilation_cache_dir=opt("compilation_cache_dir"), scan_layers=msg.scan_layers,
         tensor_parallel_size=msg.tensor_parallel_size or 1, load_format=msg.load_format or "auto",
         quantization=opt("quantization"), draft_model=opt("draft_model"),
-        num_speculative_tokens=msg.num_speculative_tokens)
+        num_speculative_tokens=msg.num_speculative_tokens,
+        kv_cache_dtype=msg.kv_cache_dtype or "auto")
 
 
 def geometry_to_proto(g: Geometry) -> wpb.Geometry:

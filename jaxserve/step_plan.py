@@ -106,6 +106,9 @@ class WorkerInit:
         block ids hold both models' keys and values of the same tokens).
       num_speculative_tokens: k, the draft model's tokens per row per step
         (with ``draft_model``).
+      kv_cache_dtype: "auto" (the cache in ``dtype``), "fp8" or "fp8_e4m3" (e4m3
+        keys and values with a scale per layer, the draft model's cache too;
+        ``jaxserve.model.kv_cache``).
     """
 
     model: str | None
@@ -129,6 +132,7 @@ class WorkerInit:
     quantization: str | None = None
     draft_model: str | None = None
     num_speculative_tokens: int = 0
+    kv_cache_dtype: str = "auto"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -50,7 +50,8 @@ def attention_schedule(query_start_loc: jax.Array, seq_lens: jax.Array, *, num_t
     Args:
       query_start_loc: i32[R + 1]. seq_lens: i32[R].
       num_tokens: T. num_heads: N. num_kv_heads: K. head_dim: H. block_size: S.
-      dtype: q's and the cache's dtype. tuning: as ``ragged_paged_attention``.
+      dtype: q's dtype (the cache's, or wider for an fp8 cache). tuning: as
+        ``ragged_paged_attention``.
 
     Returns:
       i32[NT, 5] with NT = ``num_query_tiles(T, R, block_q)`` (see
@@ -93,8 +94,10 @@ def ragged_paged_attention(
 
     Args:
       q: [T, N, H] queries (RoPE applied), bfloat16 or float32.
-      k_cache: [B, K, S, H] keys of one layer in q's dtype, the step's keys
-        already written; block 0 is the null block.
+      k_cache: [B, K, S, H] keys of one layer in q's dtype or float8_e4m3fn (an
+        fp8 cache: each tile is widened to q's dtype as it is read, unscaled —
+        a scale is the caller's), the step's keys already written; block 0 is
+        the null block.
       v_cache: [B, K, S, H] values of one layer, likewise.
       block_table: i32[R, MB]; entries past a row's last block are never read.
       seq_lens: i32[R], tokens of each row including this step's (0 = padding row).
@@ -107,7 +110,7 @@ def ragged_paged_attention(
         ``> p - sliding_window`` only.
       soft_cap: if set, scores become ``soft_cap * tanh(scores / soft_cap)``.
       interpret: run in Pallas interpret mode (any backend, e.g. CPU tests).
-      tuning: kernel variant; default ``tuning_for(H, S, dtype)``.
+      tuning: kernel variant; default ``tuning_for(H, S, q.dtype)``.
       tiles: i32[NT, 5], the step's ``attention_schedule`` (same tuning)
         computed once for all layers; None computes it in this call.
 
@@ -116,15 +119,16 @@ def ragged_paged_attention(
 
     Raises:
       ValueError: on inconsistent shapes (``tiles`` included), N not a
-        multiple of K, or q and the cache in different dtypes.
+        multiple of K, or a cache neither in q's dtype nor float8_e4m3fn (or
+        k_cache and v_cache in different dtypes).
       NotImplementedError: a dtype other than bfloat16 / float32. (Any H works:
         the kernel pads it to ``padded_head_dim(H)`` and masks the extra columns.)
     """
     check_shapes(q, k_cache, v_cache, block_table, seq_lens, query_start_loc)
-    if not (q.dtype == k_cache.dtype == v_cache.dtype):
+    if k_cache.dtype != v_cache.dtype or k_cache.dtype not in (q.dtype, jnp.float8_e4m3fn):
         raise ValueError(
-            f"q, k_cache and v_cache must share a dtype, got {q.dtype}, {k_cache.dtype}, "
-            f"{v_cache.dtype}")
+            f"k_cache and v_cache must share q's dtype or be float8_e4m3fn, got q "
+            f"{q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}")
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
     if tuning is None:

@@ -127,7 +127,7 @@ def _rpa_kernel(tiles_ref, block_table_ref, q_ref, k_ref, v_ref, *out_refs, num_
     # block_table_ref: i32[R, MB]
     # q_ref:           [T·N, H]    q viewed flat: token t, head n at row t·N + n
     # k_ref, v_ref:    [B·K·S, H]  cache viewed flat: block b, KV head k, slot s
-    #                              at row (b·K + k)·S + s
+    #                              at row (b·K + k)·S + s; q's dtype or fp8 (widened)
     # out_refs, NS == 1: o_ref [T·N, H] in q's dtype
     #           NS > 1:  acc_ref f32[NS, T·N, H], m_ref f32[NS, T·N], l_ref f32[NS, T·N]
     tile, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -190,7 +190,7 @@ def _rpa_kernel(tiles_ref, block_table_ref, q_ref, k_ref, v_ref, *out_refs, num_
         kv_rows = jnp.where(kv_ok, kv_rows, 0)  # [BKV]
         kv_mask = kv_ok[:, None] & col_ok[None, :]  # [BKV, H_pad]
         k = plgpu.load(k_ref.at[kv_rows[:, None], cols[None, :]], mask=kv_mask,
-                       other=0.0)  # [BKV, H_pad]
+                       other=0.0).astype(q.dtype)  # [BKV, H_pad]; an fp8 cache widened
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                                 preferred_element_type=jnp.float32) * sm_scale  # [M, BKV]
         if soft_cap is not None:
@@ -204,7 +204,7 @@ def _rpa_kernel(tiles_ref, block_table_ref, q_ref, k_ref, v_ref, *out_refs, num_
         p = jnp.where(mask, jnp.exp2(s - m_new[:, None]), 0.0)  # [M, BKV] f32
         l = l * alpha + jnp.sum(p, axis=1)
         v = plgpu.load(v_ref.at[kv_rows[:, None], cols[None, :]], mask=kv_mask,
-                       other=0.0)  # [BKV, H_pad]
+                       other=0.0).astype(q.dtype)  # [BKV, H_pad]
         pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
                                  preferred_element_type=jnp.float32)  # [M, H_pad]
         return m_new, l, acc * alpha[:, None] + pv, next_blk
@@ -246,7 +246,8 @@ def combine_splits(acc: jax.Array, m: jax.Array, l: jax.Array, dtype) -> jax.Arr
 
 def cost_estimate(*, num_tokens: int, num_rows: int, num_heads: int, num_kv_heads: int,
                   head_dim: int, max_blocks: int, block_size: int, itemsize: int,
-                  num_splits: int, soft_cap: bool) -> pl.CostEstimate:
+                  num_splits: int, soft_cap: bool, kv_itemsize: int | None = None
+                  ) -> pl.CostEstimate:
     """A decode-shaped upper estimate of one call's work.
 
     Assumes every live row (at most ``min(T, R)``) reads the full context the
@@ -254,14 +255,14 @@ def cost_estimate(*, num_tokens: int, num_rows: int, num_heads: int, num_kv_head
     and every query attends to ``MB * S`` keys: exact for decode rows at
     full context, an over-estimate for shorter rows and for causal prefill.
 
-    Bytes: K and V ``2 * min(T, R) * K * MB * S * H * itemsize``, plus q and
-    the output (``T * N * H * itemsize`` each; f32 partials with m and l per
+    Bytes: K and V ``2 * min(T, R) * K * MB * S * H * kv_itemsize`` (the cache's;
+    default ``itemsize``, q's), plus q and the output (``T * N * H * itemsize`` each; f32 partials with m and l per
     split under split-K, written once and read once by the combine), the live
     rows of the block table and the tile schedule.
     """
     live_rows = min(num_tokens, num_rows)
     max_context = max_blocks * block_size
-    kv_bytes = 2 * live_rows * num_kv_heads * max_context * head_dim * itemsize
+    kv_bytes = 2 * live_rows * num_kv_heads * max_context * head_dim * (kv_itemsize or itemsize)
     q_bytes = num_tokens * num_heads * head_dim * itemsize
     out_bytes = q_bytes
     if num_splits > 1:
@@ -319,7 +320,8 @@ def ragged_paged_attention_pallas(q, k_cache, v_cache, block_table, seq_lens, qu
         cost_estimate=cost_estimate(
             num_tokens=num_tokens, num_rows=num_rows, num_heads=num_heads,
             num_kv_heads=num_kv_heads, head_dim=head_dim, max_blocks=max_blocks,
-            block_size=block_size, itemsize=q.dtype.itemsize, num_splits=num_splits,
+            block_size=block_size, itemsize=q.dtype.itemsize,
+            kv_itemsize=k_cache.dtype.itemsize, num_splits=num_splits,
             soft_cap=soft_cap is not None),
         interpret=interpret,
         name=f"ragged_paged_attention_m{block_m}_kv{launch.block_kv}_s{num_splits}",

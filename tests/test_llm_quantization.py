@@ -125,3 +125,32 @@ def test_llm_refuses_fp8_on_the_cpu_in_one_line(tiny, demo_model_dir):
         _generate(directory, demo_model_dir, [{"prompt_token_ids": [1, 2, 3]}],
                   quantization="fp8")
     assert "\n" not in str(err.value)
+
+
+def test_fp8_kv_cache_holds_four_times_the_blocks_and_generates(tiny, demo_model_dir):
+    """``LLM(kv_cache_dtype="fp8")``: the same ``kv_cache_bytes`` hold 4× the float32 cache's
+    blocks, and the greedy first tokens are the argmax of the model's step body on an fp8
+    cache (``tests/model/test_kv_cache_fp8.py`` checks that step against fake quantization)."""
+    directory, prompts = tiny
+    blocks, firsts = {}, {}
+    for kv_cache_dtype in ("auto", "fp8"):
+        with LLM(str(directory), tokenizer=str(demo_model_dir), max_num_seqs=4,
+                 max_num_batched_tokens=32, max_model_len=128, strict_recompile=True,
+                 token_buckets=(8, 32), request_buckets=(4,), kv_cache_bytes=1 << 20,
+                 kv_cache_dtype=kv_cache_dtype) as llm:
+            blocks[kv_cache_dtype] = llm.engine.geometry.num_kv_blocks
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY,
+                                use_tqdm=False)
+            firsts[kv_cache_dtype] = [o.outputs[0].token_ids[0] for o in outs]
+    assert blocks["fp8"] == 4 * blocks["auto"], blocks
+    config, graphdef, state = load_model(directory)
+    runner = PagedRunner(config, graphdef, state, backend="cpu", cache_dtype="float8_e4m3fn")
+    logits = runner.step({f"s{i}": p for i, p in enumerate(prompts)})
+    assert firsts["fp8"] == [int(logits[f"s{i}"].argmax()) for i in range(len(prompts))]
+
+
+def test_llm_refuses_an_unsupported_kv_cache_dtype_in_one_line(tiny, demo_model_dir):
+    directory, _ = tiny
+    with pytest.raises(ValueError, match=r"^kv_cache_dtype must be one of 'auto', 'fp8', "
+                                         r"'fp8_e4m3'; got 'fp8_e5m2'$"):
+        LLM(str(directory), tokenizer=str(demo_model_dir), kv_cache_dtype="fp8_e5m2")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxserve.compressed_tensors import resolve_quantization
-from jaxserve.config import check_quantization
+from jaxserve.config import check_kv_cache_dtype, check_quantization
 from jaxserve.step_plan import Geometry, WorkerInit
 
 # The parameter dtypes every attention backend serves: the CPU kernel (bfloat16
@@ -111,6 +111,10 @@ class CacheConfig:
         when it sizes the cache itself.
       enable_prefix_caching: share full blocks between requests by a hash
         chain over their tokens.
+      kv_cache_dtype: "auto" (the parameter dtype), "fp8" or "fp8_e4m3" (e4m3 with
+        a scale per layer: a block takes 1 byte per element, so the same budget
+        holds 2× a bfloat16 cache's tokens, 4× a float32 one's;
+        ``WorkerInit.kv_cache_dtype``). vLLM's ``--kv-cache-dtype``.
     """
 
     block_size: int = 16
@@ -118,6 +122,7 @@ class CacheConfig:
     kv_cache_bytes: int | None = None
     memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -130,6 +135,7 @@ class CacheConfig:
         if not 0.0 < self.memory_utilization <= 1.0:
             raise ValueError(f"memory_utilization must be in (0, 1], "
                              f"got {self.memory_utilization}")
+        check_kv_cache_dtype(self.kv_cache_dtype)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -370,7 +376,8 @@ class EngineConfig:
             precompile=self.compile.precompile, strict_recompile=self.compile.strict_recompile,
             compilation_cache_dir=self.compile.cache_dir, scan_layers=self.scan_layers,
             tensor_parallel_size=self.tensor_parallel_size, load_format=self.load_format,
-            quantization=self.quantization, **self._draft_init())
+            quantization=self.quantization, kv_cache_dtype=self.cache.kv_cache_dtype,
+            **self._draft_init())
 
     def _draft_init(self) -> dict:
         spec = self.speculative_config

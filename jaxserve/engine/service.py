@@ -55,7 +55,7 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from jaxserve.config import QUANTIZATION_METHODS
+from jaxserve.config import KV_CACHE_DTYPES, QUANTIZATION_METHODS
 from jaxserve.engine.config import (AUTO_DTYPE, SERVED_DTYPES, CacheConfig, EngineConfig,
                                     SchedulerConfig, SpeculativeConfig)
 from jaxserve.engine.core import EngineCore
@@ -312,6 +312,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                              "activations (a scale per token), a GPU of compute capability "
                              ">= 8.9 only (docs/model.md); default: the checkpoint's weights as "
                              "they are (a compressed-tensors fp8 checkpoint: fp8)")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                        help="the KV cache's element type (vLLM's flag): auto = the model's "
+                             "dtype; fp8 / fp8_e4m3 = e4m3 with a scale per layer, 1 byte an "
+                             "element, so the same memory holds 2x the tokens of a bfloat16 "
+                             "cache, 4x a float32 one's (docs/kv_cache.md)")
     parser.add_argument("--speculative-config", type=speculative_config, default=None,
                         metavar="JSON",
                         help="speculative decoding (vLLM's flag), e.g. '{\"method\": \"ngram\", "
@@ -408,6 +413,8 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
               "--load-format", args.load_format]
     if args.quantization is not None:
         flags += ["--quantization", args.quantization]
+    if args.kv_cache_dtype != "auto":
+        flags += ["--kv-cache-dtype", args.kv_cache_dtype]
     if args.speculative_config is not None:
         flags += ["--speculative-config",
                   json.dumps(dataclasses.asdict(args.speculative_config))]
@@ -427,6 +434,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         cache=CacheConfig(block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                           enable_prefix_caching=not args.no_prefix_caching,
                           memory_utilization=args.gpu_memory_utilization,
+                          kv_cache_dtype=args.kv_cache_dtype,
                           **({} if args.kv_cache_bytes is None
                              else {"kv_cache_bytes": args.kv_cache_bytes})),
         seed=args.seed, async_scheduling=args.async_scheduling, scan_layers=args.scan_layers,

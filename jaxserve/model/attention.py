@@ -65,7 +65,8 @@ def check_backend(backend: str) -> None:
 
 
 def with_schedule(metadata: AttentionMetadata, *, num_tokens: int, num_heads: int,
-                  k_cache: jax.Array, backend: str, num_shards: int = 1) -> AttentionMetadata:
+                  k_cache: jax.Array, backend: str, num_shards: int = 1,
+                  dtype=None) -> AttentionMetadata:
     """The metadata with the kernel's tile schedule, computed once for all layers.
 
     For the Pallas backends, ``rpa.attention_schedule`` (which query tokens
@@ -78,6 +79,8 @@ def with_schedule(metadata: AttentionMetadata, *, num_tokens: int, num_heads: in
       num_tokens: T. num_heads: N.
       k_cache: one layer's cache ``[B, K, S, H]`` or the stacked ``[L, B, K, S, H]``
         (only its shape and dtype are read).
+      dtype: q's dtype, which picks the kernel's tuning; None: the cache's (an
+        fp8 cache needs q's).
       backend: one of ATTENTION_BACKENDS.
       num_shards: TP; the kernel runs per device over N / TP heads and K / TP
         KV heads (``jaxserve.model.sharding``).
@@ -88,19 +91,26 @@ def with_schedule(metadata: AttentionMetadata, *, num_tokens: int, num_heads: in
     tiles = rpa.attention_schedule(
         metadata.query_start_loc, metadata.seq_lens, num_tokens=num_tokens,
         num_heads=num_heads // num_shards, num_kv_heads=num_kv_heads // num_shards,
-        head_dim=head_dim, block_size=block_size, dtype=k_cache.dtype)
+        head_dim=head_dim, block_size=block_size, dtype=dtype or k_cache.dtype)
     return dataclasses.replace(metadata, tiles=tiles)
 
 
 def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                     metadata: AttentionMetadata, *, sm_scale: float, backend: str,
-                    sliding_window: int | None = None,
-                    soft_cap: float | None = None) -> jax.Array:
+                    sliding_window: int | None = None, soft_cap: float | None = None,
+                    k_scale: jax.Array | None = None,
+                    v_scale: jax.Array | None = None) -> jax.Array:
     """Ragged causal attention for all rows of a step; see ``ragged_paged_attention_reference``.
 
     Args:
-      q: [T, N, H]; k_cache, v_cache: [B, K, S, H] with the step's K/V written.
+      q: [T, N, H]; k_cache, v_cache: [B, K, S, H] with the step's K/V written,
+        in q's dtype or fp8 (``kv_cache.FP8_DTYPE``; every backend widens the
+        stored values as it reads them).
       backend: one of ATTENTION_BACKENDS.
+      k_scale, v_scale: an fp8 cache's f32 scalars for this layer (a stored key
+        is key / k_scale). The kernels read unscaled values; since
+        ``q·(k·ks) = (q·ks)·k`` and ``Σ p·(v·vs) = (Σ p·v)·vs``, q is multiplied
+        by k_scale before the kernel and the output by v_scale after it.
 
     Returns:
       [T, N, H] in q's dtype.
@@ -108,6 +118,14 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     Raises:
       ValueError: unknown backend.
     """
+    if k_scale is not None:
+        q = (q * k_scale).astype(q.dtype)
+    out = _attend(q, k_cache, v_cache, metadata, sm_scale=sm_scale, backend=backend,
+                  sliding_window=sliding_window, soft_cap=soft_cap)
+    return out if v_scale is None else (out * v_scale).astype(out.dtype)
+
+
+def _attend(q, k_cache, v_cache, metadata, *, sm_scale, backend, sliding_window, soft_cap):
     if backend == "cpu":
         return cpu_kernels.ragged_paged_attention(
             q, k_cache, v_cache, metadata.block_table, metadata.seq_lens,

@@ -150,18 +150,29 @@ class RMSNorm(nnx.Module):
         return self.weight[...] * y.astype(x.dtype)
 
 
-def _write_and_attend(q, key, value, k_cache, v_cache, metadata, *, sm_scale, backend,
-                      sliding_window):
+def _layer_scales(kv_cache: KVCache, layer) -> tuple:
+    """Layer ``layer``'s (k_scale, v_scale) f32 scalars of an fp8 cache, else (None, None)."""
+    if kv_cache.k_scale is None:
+        return None, None
+    return kv_cache.k_scale[layer], kv_cache.v_scale[layer]
+
+
+def _write_and_attend(q, key, value, k_cache, v_cache, scales, metadata, *, sm_scale,
+                      backend, sliding_window):
     """The step's K/V written into one layer's cache, then attention over it.
 
     q: [T, N, H]; key, value: [T, K, H]; caches [B, K, S, H] → ([T, N, H], caches).
-    Under ``shard_map`` N and K are one device's heads.
+    ``scales``: an fp8 cache's (k_scale, v_scale) f32 scalars for the layer, else
+    (None, None). Under ``shard_map`` N and K are one device's heads.
     """
+    k_scale, v_scale = scales
     with jax.named_scope("kv_write"):  # scope names: benchmarks/step_profile.py
-        k_cache, v_cache = write_kv(k_cache, v_cache, key, value, metadata.slot_mapping)
+        k_cache, v_cache = write_kv(k_cache, v_cache, key, value, metadata.slot_mapping,
+                                    k_scale, v_scale)
     with jax.named_scope("attention"):
         out = paged_attention(q, k_cache, v_cache, metadata, sm_scale=sm_scale,
-                              backend=backend, sliding_window=sliding_window)
+                              backend=backend, sliding_window=sliding_window,
+                              k_scale=k_scale, v_scale=v_scale)
     return out, k_cache, v_cache
 
 
@@ -186,9 +197,11 @@ class Attention(nnx.Module):
             self.q_norm = self.k_norm = None
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, k_cache: jax.Array,
-                 v_cache: jax.Array, metadata: AttentionMetadata, backend: str
-                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """x: [T, D]; cos, sin: f32[T, H/2]; caches [B, K, S, H] → ([T, D], k_cache, v_cache)."""
+                 v_cache: jax.Array, metadata: AttentionMetadata, backend: str,
+                 scales: tuple = (None, None)) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """x: [T, D]; cos, sin: f32[T, H/2]; caches [B, K, S, H] → ([T, D], k_cache, v_cache).
+
+        ``scales``: an fp8 cache's (k_scale, v_scale) f32 scalars for this layer."""
         cfg = self.config
         n, k, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         g = mesh_size(self.mesh)  # device groups of the fused output features
@@ -211,9 +224,9 @@ class Attention(nnx.Module):
         if self.mesh is not None:  # each device its own heads and its KV heads' cache
             heads, cache = P(None, TP_AXIS, None), kv_cache_partition_spec(k_cache.ndim)
             attend = jax.shard_map(attend, mesh=self.mesh,
-                                   in_specs=(heads, heads, heads, cache, cache, P()),
+                                   in_specs=(heads, heads, heads, cache, cache, P(), P()),
                                    out_specs=(heads, cache, cache), check_vma=False)
-        out, k_cache, v_cache = attend(q, key, value, k_cache, v_cache, metadata)
+        out, k_cache, v_cache = attend(q, key, value, k_cache, v_cache, scales, metadata)
         return (linear(out.reshape(t, n * h), self.o_proj[...], _value(self.o_proj_scale),
                        tensor_parallel=g > 1),
                 k_cache, v_cache)
@@ -250,9 +263,9 @@ class DecoderLayer(nnx.Module):
         self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = MLP(config, dtype, rngs, mesh_size(mesh), quantization)
 
-    def __call__(self, x, cos, sin, k_cache, v_cache, metadata, backend):
+    def __call__(self, x, cos, sin, k_cache, v_cache, metadata, backend, scales=(None, None)):
         attn_out, k_cache, v_cache = self.attn(
-            self.input_norm(x), cos, sin, k_cache, v_cache, metadata, backend)
+            self.input_norm(x), cos, sin, k_cache, v_cache, metadata, backend, scales)
         x = x + attn_out
         x = x + self.mlp(self.post_attn_norm(x))
         return x, k_cache, v_cache
@@ -286,7 +299,7 @@ class CausalLM(nnx.Module):
         KV cache must then be stacked too (``init_kv_cache(..., stacked=True)``).
       mesh: the tensor-parallel mesh (``sharding.make_mesh``), None for one
         device; ``config`` is then ``ModelConfig.for_tensor_parallel``'s.
-      quantization: None, "int8", "int4" or "fp8" (``jaxserve.model.quantization.METHODS``):
+      quantization: None, "int8", "int4" or "fp8" (``jaxserve.config.QUANTIZATION_METHODS``):
         every linear kernel, the embedding and the LM head int8 with a float32
         scale per output channel; or the decoder's kernels packed int4 with a float32
         step and offset per group of 32 inputs, the embedding and LM head int8; or the
@@ -329,14 +342,16 @@ class CausalLM(nnx.Module):
         cos, sin = rope.rope_cos_sin(positions, rope.inverse_frequencies(self.config))
         metadata = with_schedule(metadata, num_tokens=input_ids.shape[0],
                                  num_heads=self.config.num_heads, k_cache=kv_cache.k[0],
-                                 backend=backend, num_shards=mesh_size(self.mesh))
+                                 backend=backend, num_shards=mesh_size(self.mesh),
+                                 dtype=x.dtype)
         # ^ once per step, for every layer
         if self.scan_layers:
             return self._scan_layers(x, cos, sin, kv_cache, metadata, backend)
         ks, vs = list(kv_cache.k), list(kv_cache.v)
         for i, layer in enumerate(self.layers):
-            x, ks[i], vs[i] = layer(x, cos, sin, ks[i], vs[i], metadata, backend)
-        return self.norm(x), KVCache(k=tuple(ks), v=tuple(vs))
+            x, ks[i], vs[i] = layer(x, cos, sin, ks[i], vs[i], metadata, backend,
+                                    _layer_scales(kv_cache, i))
+        return self.norm(x), dataclasses.replace(kv_cache, k=tuple(ks), v=tuple(vs))
 
     def _scan_layers(self, x, cos, sin, kv_cache: KVCache, metadata: AttentionMetadata,
                      backend: str) -> tuple[jax.Array, KVCache]:
@@ -359,13 +374,14 @@ class CausalLM(nnx.Module):
             shifted = dataclasses.replace(
                 metadata, slot_mapping=metadata.slot_mapping + i * (num_blocks * block_size),
                 block_table=metadata.block_table + i * num_blocks)
-            return layer(h, cos, sin, k_cache, v_cache, shifted, backend), None
+            return layer(h, cos, sin, k_cache, v_cache, shifted, backend,
+                         _layer_scales(kv_cache, i)), None
 
         (x, k_flat, v_flat), _ = jax.lax.scan(
             one_layer, (x, k_all.reshape(flat), v_all.reshape(flat)),
             (params, jnp.arange(num_layers, dtype=jnp.int32)))
-        return self.norm(x), KVCache(k=(k_flat.reshape(k_all.shape),),
-                                     v=(v_flat.reshape(v_all.shape),))
+        return self.norm(x), dataclasses.replace(kv_cache, k=(k_flat.reshape(k_all.shape),),
+                                                 v=(v_flat.reshape(v_all.shape),))
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """hidden [R, D] → f32[R, V] (whole rows on every device of a mesh)."""

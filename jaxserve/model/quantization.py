@@ -115,10 +115,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-# The values of EngineConfig.quantization / LLM(quantization=...) / --quantization, and
-# their check (jax-free, in jaxserve.config, for the engine and api processes).
-from jaxserve.config import (INT4_GROUP_SIZE as GROUP_SIZE, QUANTIZATION_METHODS as METHODS,
-                             check_quantization as check_method)
+# The check of EngineConfig.quantization / LLM(quantization=...) / --quantization
+# (jax-free, in jaxserve.config, for the engine and api processes).
+from jaxserve.config import INT4_GROUP_SIZE as GROUP_SIZE, check_quantization as check_method
 # A quantized kernel ``name``'s scale parameter is ``name + SCALE_SUFFIX``.
 SCALE_SUFFIX = "_scale"
 # The parameters quantized (their names in the parameter pytree).

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15jaxserve/worker.proto\x12\x0fjaxserve.worker\"\xb5\x05\n\x11InitializeRequest\x12\x12\n\x05model\x18\x01 \x01(\tH\x00\x88\x01\x01\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x1a\n\rnum_kv_blocks\x18\x04 \x01(\x03H\x01\x88\x01\x01\x12\x1b\n\x0ekv_cache_bytes\x18\x05 \x01(\x03H\x02\x88\x01\x01\x12\x14\n\x0cmax_num_seqs\x18\x06 \x01(\x05\x12\x1a\n\rmax_model_len\x18\x07 \x01(\x05H\x03\x88\x01\x01\x12\x15\n\rtoken_buckets\x18\x08 \x03(\x05\x12\x17\n\x0frequest_buckets\x18\t \x03(\x05\x12\x1e\n\x11\x61ttention_backend\x18\n \x01(\tH\x04\x88\x01\x01\x12\x11\n\tseed_json\x18\x0b \x01(\t\x12\x1a\n\x12memory_utilization\x18\x0c \x01(\x02\x12\x12\n\nprecompile\x18\r \x01(\x08\x12\x18\n\x10strict_recompile\x18\x0e \x01(\x08\x12\"\n\x15\x63ompilation_cache_dir\x18\x0f \x01(\tH\x05\x88\x01\x01\x12\x13\n\x0bscan_layers\x18\x10 \x01(\x08\x12\x1c\n\x14tensor_parallel_size\x18\x11 \x01(\x05\x12\x13\n\x0bload_format\x18\x12 \x01(\t\x12\x19\n\x0cquantization\x18\x13 \x01(\tH\x06\x88\x01\x01\x12\x18\n\x0b\x64raft_model\x18\x14 \x01(\tH\x07\x88\x01\x01\x12\x1e\n\x16num_speculative_tokens\x18\x15 \x01(\x05\x42\x08\n\x06_modelB\x10\n\x0e_num_kv_blocksB\x11\n\x0f_kv_cache_bytesB\x10\n\x0e_max_model_lenB\x14\n\x12_attention_backendB\x18\n\x16_compilation_cache_dirB\x0f\n\r_quantizationB\x0e\n\x0c_draft_model\"w\n\x08Geometry\x12\x15\n\rnum_kv_blocks\x18\x01 \x01(\x03\x12\x12\n\nblock_size\x18\x02 \x01(\x05\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12\x15\n\reos_token_ids\x18\x05 \x03(\x05\"m\n\x06NewRow\x12\x0b\n\x03row\x18\x01 \x01(\x05\x12\x11\n\ttoken_ids\x18\x02 \x01(\x0c\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\x05\x12\x15\n\rsampling_json\x18\x04 \x01(\t\x12\x11\n\tblock_ids\x18\x05 \x01(\x0c\"\xf9\x02\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x03\x12\x12\n\nfreed_rows\x18\x02 \x01(\x0c\x12)\n\x08new_rows\x18\x03 \x03(\x0b\x32\x17.jaxserve.worker.NewRow\x12\x13\n\x0b\x61ppend_rows\x18\x04 \x01(\x0c\x12\x18\n\x10\x61ppend_block_ids\x18\x05 \x01(\x0c\x12\x0c\n\x04rows\x18\x06 \x01(\x0c\x12\x14\n\x0cnum_computed\x18\x07 \x01(\x0c\x12\x12\n\nnum_tokens\x18\x08 \x01(\x0c\x12\x0e\n\x06sample\x18\t \x01(\x0c\x12\x19\n\x11num_tokens_bucket\x18\n \x01(\x05\x12\x17\n\x0fnum_reqs_bucket\x18\x0b \x01(\x05\x12\x15\n\rtoken_bitmask\x18\x0c \x01(\x0c\x12\x1b\n\x13token_bitmask_words\x18\r \x01(\x05\x12\x12\n\nhas_drafts\x18\x0e \x01(\x08\x12\x11\n\tnum_draft\x18\x0f \x01(\x0c\x12\x17\n\x0f\x64raft_token_ids\x18\x10 \x01(\x0c\"\xf6\x02\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x03\x12\x11\n\ttoken_ids\x18\x02 \x01(\x0c\x12\x14\n\x0chas_logprobs\x18\x03 \x01(\x08\x12\x0f\n\x07logprob\x18\x04 \x01(\x0c\x12\x0c\n\x04rank\x18\x05 \x01(\x0c\x12\x18\n\x10num_top_logprobs\x18\x06 \x01(\x05\x12\x15\n\rtop_token_ids\x18\x07 \x01(\x0c\x12\x14\n\x0ctop_logprobs\x18\x08 \x01(\x0c\x12\x17\n\x0f\x65xecute_seconds\x18\t \x01(\x01\x12\x16\n\x0e\x64\x65vice_seconds\x18\n \x01(\x01\x12\x38\n\x0fprompt_logprobs\x18\x0b \x01(\x0b\x32\x1f.jaxserve.worker.PromptLogprobs\x12\x18\n\x10has_num_accepted\x18\x0c \x01(\x08\x12\x14\n\x0cnum_accepted\x18\r \x01(\x0c\x12\x14\n\x0cnum_proposed\x18\x0e \x01(\x05\x12\x17\n\x0f\x64raft_token_ids\x18\x0f \x01(\x0c\"\x97\x01\n\x0ePromptLogprobs\x12\r\n\x05index\x18\x01 \x01(\x0c\x12\x10\n\x08position\x18\x02 \x01(\x0c\x12\x0f\n\x07logprob\x18\x03 \x01(\x0c\x12\x0c\n\x04rank\x18\x04 \x01(\x0c\x12\x18\n\x10num_top_logprobs\x18\x05 \x01(\x05\x12\x15\n\rtop_token_ids\x18\x06 \x01(\x0c\x12\x14\n\x0ctop_logprobs\x18\x07 \x01(\x0c\"\x0f\n\rHealthRequest\"\xa4\x01\n\x0cWorkerStatus\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\x10\n\x08platform\x18\x02 \x01(\t\x12\x17\n\x0fnum_executables\x18\x03 \x01(\x05\x12\x17\n\x0f\x63ompile_seconds\x18\x04 \x01(\x01\x12\x16\n\x0enum_cache_hits\x18\x05 \x01(\x05\x12\x16\n\x0enum_recompiles\x18\x06 \x01(\x03\x12\x11\n\tnum_steps\x18\x07 \x01(\x03\"(\n\x13StartProfileRequest\x12\x11\n\tdirectory\x18\x01 \x01(\t\"\x14\n\x12StopProfileRequest\"\x11\n\x0fProfileResponse\"\x11\n\x0fShutdownRequest\"\x12\n\x10ShutdownResponse2\xe7\x03\n\rWorkerService\x12K\n\nInitialize\x12\".jaxserve.worker.InitializeRequest\x1a\x19.jaxserve.worker.Geometry\x12\x41\n\x07\x45xecute\x12\x19.jaxserve.worker.StepPlan\x1a\x1b.jaxserve.worker.StepResult\x12G\n\x06Health\x12\x1e.jaxserve.worker.HealthRequest\x1a\x1d.jaxserve.worker.WorkerStatus\x12V\n\x0cStartProfile\x12$.jaxserve.worker.StartProfileRequest\x1a .jaxserve.worker.ProfileResponse\x12T\n\x0bStopProfile\x12#.jaxserve.worker.StopProfileRequest\x1a .jaxserve.worker.ProfileResponse\x12O\n\x08Shutdown\x12 .jaxserve.worker.ShutdownRequest\x1a!.jaxserve.worker.ShutdownResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15jaxserve/worker.proto\x12\x0fjaxserve.worker\"\xcd\x05\n\x11InitializeRequest\x12\x12\n\x05model\x18\x01 \x01(\tH\x00\x88\x01\x01\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x1a\n\rnum_kv_blocks\x18\x04 \x01(\x03H\x01\x88\x01\x01\x12\x1b\n\x0ekv_cache_bytes\x18\x05 \x01(\x03H\x02\x88\x01\x01\x12\x14\n\x0cmax_num_seqs\x18\x06 \x01(\x05\x12\x1a\n\rmax_model_len\x18\x07 \x01(\x05H\x03\x88\x01\x01\x12\x15\n\rtoken_buckets\x18\x08 \x03(\x05\x12\x17\n\x0frequest_buckets\x18\t \x03(\x05\x12\x1e\n\x11\x61ttention_backend\x18\n \x01(\tH\x04\x88\x01\x01\x12\x11\n\tseed_json\x18\x0b \x01(\t\x12\x1a\n\x12memory_utilization\x18\x0c \x01(\x02\x12\x12\n\nprecompile\x18\r \x01(\x08\x12\x18\n\x10strict_recompile\x18\x0e \x01(\x08\x12\"\n\x15\x63ompilation_cache_dir\x18\x0f \x01(\tH\x05\x88\x01\x01\x12\x13\n\x0bscan_layers\x18\x10 \x01(\x08\x12\x1c\n\x14tensor_parallel_size\x18\x11 \x01(\x05\x12\x13\n\x0bload_format\x18\x12 \x01(\t\x12\x19\n\x0cquantization\x18\x13 \x01(\tH\x06\x88\x01\x01\x12\x18\n\x0b\x64raft_model\x18\x14 \x01(\tH\x07\x88\x01\x01\x12\x1e\n\x16num_speculative_tokens\x18\x15 \x01(\x05\x12\x16\n\x0ekv_cache_dtype\x18\x16 \x01(\tB\x08\n\x06_modelB\x10\n\x0e_num_kv_blocksB\x11\n\x0f_kv_cache_bytesB\x10\n\x0e_max_model_lenB\x14\n\x12_attention_backendB\x18\n\x16_compilation_cache_dirB\x0f\n\r_quantizationB\x0e\n\x0c_draft_model\"w\n\x08Geometry\x12\x15\n\rnum_kv_blocks\x18\x01 \x01(\x03\x12\x12\n\nblock_size\x18\x02 \x01(\x05\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12\x15\n\reos_token_ids\x18\x05 \x03(\x05\"m\n\x06NewRow\x12\x0b\n\x03row\x18\x01 \x01(\x05\x12\x11\n\ttoken_ids\x18\x02 \x01(\x0c\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\x05\x12\x15\n\rsampling_json\x18\x04 \x01(\t\x12\x11\n\tblock_ids\x18\x05 \x01(\x0c\"\xf9\x02\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x03\x12\x12\n\nfreed_rows\x18\x02 \x01(\x0c\x12)\n\x08new_rows\x18\x03 \x03(\x0b\x32\x17.jaxserve.worker.NewRow\x12\x13\n\x0b\x61ppend_rows\x18\x04 \x01(\x0c\x12\x18\n\x10\x61ppend_block_ids\x18\x05 \x01(\x0c\x12\x0c\n\x04rows\x18\x06 \x01(\x0c\x12\x14\n\x0cnum_computed\x18\x07 \x01(\x0c\x12\x12\n\nnum_tokens\x18\x08 \x01(\x0c\x12\x0e\n\x06sample\x18\t \x01(\x0c\x12\x19\n\x11num_tokens_bucket\x18\n \x01(\x05\x12\x17\n\x0fnum_reqs_bucket\x18\x0b \x01(\x05\x12\x15\n\rtoken_bitmask\x18\x0c \x01(\x0c\x12\x1b\n\x13token_bitmask_words\x18\r \x01(\x05\x12\x12\n\nhas_drafts\x18\x0e \x01(\x08\x12\x11\n\tnum_draft\x18\x0f \x01(\x0c\x12\x17\n\x0f\x64raft_token_ids\x18\x10 \x01(\x0c\"\xf6\x02\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x03\x12\x11\n\ttoken_ids\x18\x02 \x01(\x0c\x12\x14\n\x0chas_logprobs\x18\x03 \x01(\x08\x12\x0f\n\x07logprob\x18\x04 \x01(\x0c\x12\x0c\n\x04rank\x18\x05 \x01(\x0c\x12\x18\n\x10num_top_logprobs\x18\x06 \x01(\x05\x12\x15\n\rtop_token_ids\x18\x07 \x01(\x0c\x12\x14\n\x0ctop_logprobs\x18\x08 \x01(\x0c\x12\x17\n\x0f\x65xecute_seconds\x18\t \x01(\x01\x12\x16\n\x0e\x64\x65vice_seconds\x18\n \x01(\x01\x12\x38\n\x0fprompt_logprobs\x18\x0b \x01(\x0b\x32\x1f.jaxserve.worker.PromptLogprobs\x12\x18\n\x10has_num_accepted\x18\x0c \x01(\x08\x12\x14\n\x0cnum_accepted\x18\r \x01(\x0c\x12\x14\n\x0cnum_proposed\x18\x0e \x01(\x05\x12\x17\n\x0f\x64raft_token_ids\x18\x0f \x01(\x0c\"\x97\x01\n\x0ePromptLogprobs\x12\r\n\x05index\x18\x01 \x01(\x0c\x12\x10\n\x08position\x18\x02 \x01(\x0c\x12\x0f\n\x07logprob\x18\x03 \x01(\x0c\x12\x0c\n\x04rank\x18\x04 \x01(\x0c\x12\x18\n\x10num_top_logprobs\x18\x05 \x01(\x05\x12\x15\n\rtop_token_ids\x18\x06 \x01(\x0c\x12\x14\n\x0ctop_logprobs\x18\x07 \x01(\x0c\"\x0f\n\rHealthRequest\"\xa4\x01\n\x0cWorkerStatus\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\x10\n\x08platform\x18\x02 \x01(\t\x12\x17\n\x0fnum_executables\x18\x03 \x01(\x05\x12\x17\n\x0f\x63ompile_seconds\x18\x04 \x01(\x01\x12\x16\n\x0enum_cache_hits\x18\x05 \x01(\x05\x12\x16\n\x0enum_recompiles\x18\x06 \x01(\x03\x12\x11\n\tnum_steps\x18\x07 \x01(\x03\"(\n\x13StartProfileRequest\x12\x11\n\tdirectory\x18\x01 \x01(\t\"\x14\n\x12StopProfileRequest\"\x11\n\x0fProfileResponse\"\x11\n\x0fShutdownRequest\"\x12\n\x10ShutdownResponse2\xe7\x03\n\rWorkerService\x12K\n\nInitialize\x12\".jaxserve.worker.InitializeRequest\x1a\x19.jaxserve.worker.Geometry\x12\x41\n\x07\x45xecute\x12\x19.jaxserve.worker.StepPlan\x1a\x1b.jaxserve.worker.StepResult\x12G\n\x06Health\x12\x1e.jaxserve.worker.HealthRequest\x1a\x1d.jaxserve.worker.WorkerStatus\x12V\n\x0cStartProfile\x12$.jaxserve.worker.StartProfileRequest\x1a .jaxserve.worker.ProfileResponse\x12T\n\x0bStopProfile\x12#.jaxserve.worker.StopProfileRequest\x1a .jaxserve.worker.ProfileResponse\x12O\n\x08Shutdown\x12 .jaxserve.worker.ShutdownRequest\x1a!.jaxserve.worker.ShutdownResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,31 +32,31 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'jaxserve.proto.worker_pb2',
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_INITIALIZEREQUEST']._serialized_start=43
-  _globals['_INITIALIZEREQUEST']._serialized_end=736
-  _globals['_GEOMETRY']._serialized_start=738
-  _globals['_GEOMETRY']._serialized_end=857
-  _globals['_NEWROW']._serialized_start=859
-  _globals['_NEWROW']._serialized_end=968
-  _globals['_STEPPLAN']._serialized_start=971
-  _globals['_STEPPLAN']._serialized_end=1348
-  _globals['_STEPRESULT']._serialized_start=1351
-  _globals['_STEPRESULT']._serialized_end=1725
-  _globals['_PROMPTLOGPROBS']._serialized_start=1728
-  _globals['_PROMPTLOGPROBS']._serialized_end=1879
-  _globals['_HEALTHREQUEST']._serialized_start=1881
-  _globals['_HEALTHREQUEST']._serialized_end=1896
-  _globals['_WORKERSTATUS']._serialized_start=1899
-  _globals['_WORKERSTATUS']._serialized_end=2063
-  _globals['_STARTPROFILEREQUEST']._serialized_start=2065
-  _globals['_STARTPROFILEREQUEST']._serialized_end=2105
-  _globals['_STOPPROFILEREQUEST']._serialized_start=2107
-  _globals['_STOPPROFILEREQUEST']._serialized_end=2127
-  _globals['_PROFILERESPONSE']._serialized_start=2129
-  _globals['_PROFILERESPONSE']._serialized_end=2146
-  _globals['_SHUTDOWNREQUEST']._serialized_start=2148
-  _globals['_SHUTDOWNREQUEST']._serialized_end=2165
-  _globals['_SHUTDOWNRESPONSE']._serialized_start=2167
-  _globals['_SHUTDOWNRESPONSE']._serialized_end=2185
-  _globals['_WORKERSERVICE']._serialized_start=2188
-  _globals['_WORKERSERVICE']._serialized_end=2675
+  _globals['_INITIALIZEREQUEST']._serialized_end=760
+  _globals['_GEOMETRY']._serialized_start=762
+  _globals['_GEOMETRY']._serialized_end=881
+  _globals['_NEWROW']._serialized_start=883
+  _globals['_NEWROW']._serialized_end=992
+  _globals['_STEPPLAN']._serialized_start=995
+  _globals['_STEPPLAN']._serialized_end=1372
+  _globals['_STEPRESULT']._serialized_start=1375
+  _globals['_STEPRESULT']._serialized_end=1749
+  _globals['_PROMPTLOGPROBS']._serialized_start=1752
+  _globals['_PROMPTLOGPROBS']._serialized_end=1903
+  _globals['_HEALTHREQUEST']._serialized_start=1905
+  _globals['_HEALTHREQUEST']._serialized_end=1920
+  _globals['_WORKERSTATUS']._serialized_start=1923
+  _globals['_WORKERSTATUS']._serialized_end=2087
+  _globals['_STARTPROFILEREQUEST']._serialized_start=2089
+  _globals['_STARTPROFILEREQUEST']._serialized_end=2129
+  _globals['_STOPPROFILEREQUEST']._serialized_start=2131
+  _globals['_STOPPROFILEREQUEST']._serialized_end=2151
+  _globals['_PROFILERESPONSE']._serialized_start=2153
+  _globals['_PROFILERESPONSE']._serialized_end=2170
+  _globals['_SHUTDOWNREQUEST']._serialized_start=2172
+  _globals['_SHUTDOWNREQUEST']._serialized_end=2189
+  _globals['_SHUTDOWNRESPONSE']._serialized_start=2191
+  _globals['_SHUTDOWNRESPONSE']._serialized_end=2209
+  _globals['_WORKERSERVICE']._serialized_start=2212
+  _globals['_WORKERSERVICE']._serialized_end=2699
 # @@protoc_insertion_point(module_scope)

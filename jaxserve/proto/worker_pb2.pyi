@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class InitializeRequest(_message.Message):
-    __slots__ = ("model", "dtype", "block_size", "num_kv_blocks", "kv_cache_bytes", "max_num_seqs", "max_model_len", "token_buckets", "request_buckets", "attention_backend", "seed_json", "memory_utilization", "precompile", "strict_recompile", "compilation_cache_dir", "scan_layers", "tensor_parallel_size", "load_format", "quantization", "draft_model", "num_speculative_tokens")
+    __slots__ = ("model", "dtype", "block_size", "num_kv_blocks", "kv_cache_bytes", "max_num_seqs", "max_model_len", "token_buckets", "request_buckets", "attention_backend", "seed_json", "memory_utilization", "precompile", "strict_recompile", "compilation_cache_dir", "scan_layers", "tensor_parallel_size", "load_format", "quantization", "draft_model", "num_speculative_tokens", "kv_cache_dtype")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,7 @@ class InitializeRequest(_message.Message):
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     model: str
     dtype: str
     block_size: int
@@ -50,7 +51,8 @@ class InitializeRequest(_message.Message):
     quantization: str
     draft_model: str
     num_speculative_tokens: int
-    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_model_len: _Optional[int] = ..., token_buckets: _Optional[_Iterable[int]] = ..., request_buckets: _Optional[_Iterable[int]] = ..., attention_backend: _Optional[str] = ..., seed_json: _Optional[str] = ..., memory_utilization: _Optional[float] = ..., precompile: _Optional[bool] = ..., strict_recompile: _Optional[bool] = ..., compilation_cache_dir: _Optional[str] = ..., scan_layers: _Optional[bool] = ..., tensor_parallel_size: _Optional[int] = ..., load_format: _Optional[str] = ..., quantization: _Optional[str] = ..., draft_model: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ...) -> None: ...
+    kv_cache_dtype: str
+    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_model_len: _Optional[int] = ..., token_buckets: _Optional[_Iterable[int]] = ..., request_buckets: _Optional[_Iterable[int]] = ..., attention_backend: _Optional[str] = ..., seed_json: _Optional[str] = ..., memory_utilization: _Optional[float] = ..., precompile: _Optional[bool] = ..., strict_recompile: _Optional[bool] = ..., compilation_cache_dir: _Optional[str] = ..., scan_layers: _Optional[bool] = ..., tensor_parallel_size: _Optional[int] = ..., load_format: _Optional[str] = ..., quantization: _Optional[str] = ..., draft_model: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ...) -> None: ...
 
 class Geometry(_message.Message):
     __slots__ = ("num_kv_blocks", "block_size", "max_model_len", "vocab_size", "eos_token_ids")

@@ -65,10 +65,12 @@ import threading
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
 from jaxserve.compressed_tensors import resolve_quantization
+from jaxserve.config import kv_cache_dtype_name
 from jaxserve.model import quantization as quant, sharding
 from jaxserve.model.attention import check_backend, default_backend
 from jaxserve.model.kv_cache import (KVCache, init_kv_cache, kv_cache_bytes_per_block,
@@ -269,6 +271,7 @@ class InProcessWorker:
             raise ValueError(f"tensor_parallel_size={init.tensor_parallel_size} but the given "
                              f"model was loaded onto {loaded_tp} device(s)")
         dtype = resolve_dtype(init.dtype)
+        cache_dtype = jnp.dtype(kv_cache_dtype_name(init.kv_cache_dtype, init.dtype))
         self.model_config, self.init = config, init
         self.draft = self._load_draft(init, config)
         max_len = config.max_position_embeddings
@@ -290,7 +293,7 @@ class InProcessWorker:
         devices = (jax.devices()[:1] if self.mesh is None else  # this process's: multi-host
                    [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()])
         memory = device_memory(devices)
-        sizing_kv = self._kv_spec(2, dtype)
+        sizing_kv = self._kv_spec(2, cache_dtype)
         store = program_store(init.compilation_cache_dir) if init.precompile else None
         first = None
         if init.precompile:
@@ -314,7 +317,7 @@ class InProcessWorker:
             first = compile_all([e for e in now if e.kind != "body"] + sizing,
                                 progress=self._progress, store=store,
                                 desc="compiling samplers and row writes")
-        bytes_per_block = sum(kv_cache_bytes_per_block(c, init.block_size, dtype)
+        bytes_per_block = sum(kv_cache_bytes_per_block(c, init.block_size, cache_dtype)
                               for c in [config] + ([self.draft[0]] if self.draft else []))
         num_blocks = num_kv_blocks(
             num_blocks=init.num_kv_blocks, kv_cache_bytes=init.kv_cache_bytes,
@@ -326,10 +329,10 @@ class InProcessWorker:
             num_blocks = int(multihost_utils.process_allgather(np.int64(num_blocks)).min())
         if num_blocks < 2:
             raise ValueError(f"the KV cache must have >= 2 blocks, got {num_blocks}")
-        self.kv_cache = init_kv_cache(config, num_blocks, init.block_size, dtype,
+        self.kv_cache = init_kv_cache(config, num_blocks, init.block_size, cache_dtype,
                                       stacked=init.scan_layers, mesh=self.mesh)
         self.draft_kv_cache = None if self.draft is None else init_kv_cache(
-            self.draft[0], num_blocks, init.block_size, dtype, stacked=init.scan_layers,
+            self.draft[0], num_blocks, init.block_size, cache_dtype, stacked=init.scan_layers,
             mesh=self.mesh)
         self.layouts = {t: StepLayout.for_bucket(t, m, init.block_size)
                         for t in init.token_buckets}
@@ -357,9 +360,9 @@ class InProcessWorker:
                                  max_model_len=max_model_len, vocab_size=config.vocab_size,
                                  eos_token_ids=tuple(config.eos_token_ids))
         self.ready = True
-        logger.info("worker ready in %.1f s: %d KV blocks x %d tokens (%s), backend %s",
-                    time.perf_counter() - start, num_blocks, init.block_size, init.dtype,
-                    self.backend)
+        logger.info("worker ready in %.1f s: %d KV blocks x %d tokens (%s, KV cache %s), "
+                    "backend %s", time.perf_counter() - start, num_blocks, init.block_size,
+                    init.dtype, cache_dtype.name, self.backend)
         return self.geometry
 
     def _load_draft(self, init: WorkerInit, config):

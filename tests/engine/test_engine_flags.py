@@ -61,6 +61,20 @@ def test_quantization_reaches_the_engine_process_and_the_worker(flag, method):
         _parse(flag, "awq")
 
 
+@pytest.mark.parametrize("value", ["fp8", "fp8_e4m3"])
+def test_kv_cache_dtype_reaches_the_engine_process_and_the_worker(value):
+    args = _parse("--kv-cache-dtype", value)
+    config = engine_config(args)
+    assert config.cache.kv_cache_dtype == value
+    assert config.worker_init().kv_cache_dtype == value
+    assert engine_config(_parse(*engine_flags(args))).cache.kv_cache_dtype == value
+    default = _parse()
+    assert "--kv-cache-dtype" not in engine_flags(default)
+    assert engine_config(default).worker_init().kv_cache_dtype == "auto"
+    with pytest.raises(SystemExit):  # argparse: "invalid choice", exit 2
+        _parse("--kv-cache-dtype", "fp8_e5m2")
+
+
 @pytest.mark.parametrize("bad", ["FP8", "INT8", "gptq", ""])
 def test_engine_config_refuses_an_unsupported_quantization_in_one_line(bad):
     from jaxserve.engine.config import EngineConfig

@@ -50,9 +50,11 @@ class PagedRunner:
         self.free = [int(b) for b in rng.permutation(np.arange(1, num_blocks))]
         cache = init_kv_cache(config, num_blocks, block_size, cache_dtype,
                               stacked=is_scanned(state), mesh=mesh)
-        # Poison every slot: anything read before it is written shows up as NaN.
-        self.kv_cache = jax.tree.map(
-            lambda x: jax.device_put(jnp.full_like(x, jnp.nan), x.sharding), cache)
+        # Poison every slot (an fp8 cache's scales stay): anything read before it is
+        # written shows up as NaN.
+        poison = lambda x: jax.device_put(jnp.full_like(x, jnp.nan), x.sharding)  # noqa: E731
+        self.kv_cache = dataclasses.replace(cache, k=tuple(map(poison, cache.k)),
+                                            v=tuple(map(poison, cache.v)))
         self.block_table = jnp.full((rows + 1, max_blocks), NULL_BLOCK, jnp.int32)
         self.last_token = jnp.zeros(rows + 1, jnp.int32)
         self.seqs: dict[str, _Seq] = {}

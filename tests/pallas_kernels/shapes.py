@@ -24,6 +24,7 @@ class Problem:
     block_size: int  # S
     max_context: int  # tokens the block table addresses per row
     dtype: str
+    kv_dtype: str | None = None  # the cache's dtype; None: ``dtype`` ("float8_e4m3fn": fp8)
 
     @property
     def max_blocks(self) -> int:
@@ -38,16 +39,16 @@ class Problem:
         def spec(shape, dtype):
             return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
-        dt = jnp.dtype(self.dtype)
+        dt, kv = jnp.dtype(self.dtype), jnp.dtype(self.kv_dtype or self.dtype)
         cache = (self.num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
-        return (spec((self.num_tokens, self.num_heads, self.head_dim), dt), spec(cache, dt),
-                spec(cache, dt), spec((self.num_rows, self.max_blocks), jnp.int32),
+        return (spec((self.num_tokens, self.num_heads, self.head_dim), dt), spec(cache, kv),
+                spec(cache, kv), spec((self.num_rows, self.max_blocks), jnp.int32),
                 spec((self.num_rows,), jnp.int32), spec((self.num_rows + 1,), jnp.int32))
 
     def kv_bytes_at_full_context(self) -> int:
         """K and V bytes a decode step must read when every row holds max_context tokens."""
         return (2 * self.num_rows * self.max_context * self.num_kv_heads * self.head_dim
-                * jnp.dtype(self.dtype).itemsize)
+                * jnp.dtype(self.kv_dtype or self.dtype).itemsize)
 
 
 def table_problems(head_dim: int, block_size: int, dtype: str) -> dict[str, Problem]:

@@ -16,6 +16,7 @@ must hold no ``kWhile`` / ``kConditional`` (each would make the GPU wait on
 the host) and every kernel's shared memory must fit the H100.
 """
 
+import dataclasses
 import importlib.util
 import os
 import pathlib
@@ -158,3 +159,15 @@ def test_llama3_8b_served_step_compiles_for_h100(h100, llama3_8b_ladder, index):
     assert worst <= _smem_limit(), (exe.name, worst)
     print(f"\nH100 compile ok: {exe.name} in {seconds:.1f} s, {len(kernels)} kernels, "
           f"most shared memory {worst} B; attention: {sorted(set(attention))}")
+
+
+@pytest.mark.parametrize("problem", [LLAMA3_8B_DECODE_8K, LLAMA3_8B_PREFILL_8K,
+                                     LLAMA3_8B_BATCH1_8K],
+                         ids=["llama3_8b_decode_8k", "llama3_8b_prefill_8k", "llama3_8b_batch1_8k"])
+def test_fp8_cache_compiles_for_h100(h100, problem):
+    """An fp8 (e4m3) cache under bfloat16 queries compiles for sm_90 (Triton widens the
+    e4m3 tiles to bfloat16) with the bfloat16 cache's launch grid, within shared memory."""
+    kernel = compile_for_h100(dataclasses.replace(problem, kv_dtype="float8_e4m3fn"), h100)
+    wide = compile_for_h100(problem, h100)
+    assert kernel["grid"] == wide["grid"] and kernel["name"] == wide["name"], (kernel, wide)
+    assert 0 < kernel["smem"] <= _smem_limit(), kernel

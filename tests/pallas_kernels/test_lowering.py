@@ -7,6 +7,8 @@ call) for every entry of the default tuning table, through both the split-K
 for an H100 is the ``h100`` tier (test_h100_compile.py).
 """
 
+import dataclasses
+
 import jax
 import pytest
 
@@ -134,3 +136,17 @@ def test_llama3_decode_cost_estimate_matches_kv_bytes():
     assert kv_bytes == 2 * 256 * 2048 * 8 * 128 * 2
     ratio = call.params["cost_estimate"].bytes_accessed / kv_bytes
     assert 1.0 < ratio < 1.01, ratio
+
+
+@pytest.mark.parametrize("problem", [LLAMA3_8B_DECODE_8K, LLAMA3_8B_PREFILL_8K, DEMO_DECODE],
+                         ids=["llama3_8b_decode_8k", "llama3_8b_prefill_8k", "demo_decode"])
+def test_fp8_cache_lowers_for_cuda(problem):
+    """An fp8 (e4m3) cache under bfloat16 queries: one Triton call, whose estimate counts
+    the cache at 1 byte an element."""
+    fp8 = dataclasses.replace(problem, kv_dtype="float8_e4m3fn")
+    text = lower_for_cuda(_attention(fp8), *fp8.specs())
+    assert text.count(TRITON_CUSTOM_CALL) == 1
+    (call,) = pallas_calls(fp8)
+    (wide,) = pallas_calls(problem)
+    saved = wide.params["cost_estimate"].bytes_accessed - call.params["cost_estimate"].bytes_accessed
+    assert saved == fp8.kv_bytes_at_full_context(), saved  # half of bfloat16's K/V bytes

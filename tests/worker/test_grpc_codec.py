@@ -131,13 +131,14 @@ def test_init_geometry_and_status_round_trip():
                       attention_backend="reference", seed=2**65 + 1, memory_utilization=0.5,
                       precompile=False, strict_recompile=True, compilation_cache_dir="/c",
                       scan_layers=True, quantization="int8", draft_model="/d",
-                      num_speculative_tokens=4)
+                      num_speculative_tokens=4, kv_cache_dtype="fp8")
     _assert_same(init, plan_codec.init_from_proto(_wire(plan_codec.init_to_proto(init),
                                                         wpb.InitializeRequest)))
     bare = dataclasses.replace(init, model=None, kv_cache_bytes=None, num_kv_blocks=9,
                                max_model_len=128, attention_backend=None,
                                compilation_cache_dir=None, scan_layers=False, quantization=None,
-                               draft_model=None, num_speculative_tokens=0)
+                               draft_model=None, num_speculative_tokens=0,
+                               kv_cache_dtype="auto")
     _assert_same(bare, plan_codec.init_from_proto(_wire(plan_codec.init_to_proto(bare),
                                                         wpb.InitializeRequest)))
     status = WorkerStatus(True, "cpu", 22, 3.5, 20, 1, 99)
