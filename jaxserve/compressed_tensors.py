@@ -23,8 +23,11 @@ stores ``<name>.weight`` F8_E4M3 ``[out, in]`` and ``<name>.weight_scale`` ``[ou
 activations are static; it loads as jaxserve's "fp8" (``jaxserve.model.loader``). Any other
 ``quant_method``, or a scheme outside that shape (integer weights, group or block
 strategies, other bit widths, asymmetric weights, dynamic weight scales, output
-activation or KV cache quantization, sparsity), is refused with a one-line ValueError
-naming the field and its value.
+activation quantization, KV cache schemes other than one static e4m3 scale per layer
+and tensor, sparsity), is refused with a one-line ValueError naming the field and its
+value. A ``kv_cache_scheme`` of that one shape stores ``self_attn.k_scale`` /
+``v_scale`` per layer, which an fp8 KV cache takes (``loader.kv_cache_scales``; with
+``kv_cache_dtype`` "auto" they are unused, as in vLLM).
 """
 
 from __future__ import annotations
@@ -96,9 +99,12 @@ def fp8_scheme(quantization_config: dict) -> str:
         if group.get("output_activations") is not None:
             raise _refuse(f"{where}.output_activations", group["output_activations"],
                           "no output activation quantization")
-    if quantization_config.get("kv_cache_scheme") is not None:
-        raise _refuse("kv_cache_scheme", quantization_config["kv_cache_scheme"],
-                      "no fp8 KV cache scales")
+    kv_scheme = quantization_config.get("kv_cache_scheme")
+    if kv_scheme is not None:  # its scales are read when the cache is fp8 (loader)
+        _check_fp8_args(kv_scheme, "kv_cache_scheme", ("tensor",))
+        if kv_scheme.get("dynamic"):
+            raise _refuse("kv_cache_scheme.dynamic", kv_scheme["dynamic"],
+                          "stored KV cache scales")
     sparsity = quantization_config.get("sparsity_config") or {}
     if sparsity.get("format", "dense") != "dense":
         raise _refuse("sparsity_config.format", sparsity["format"], "dense weights")

@@ -154,3 +154,56 @@ def test_llm_refuses_an_unsupported_kv_cache_dtype_in_one_line(tiny, demo_model_
     with pytest.raises(ValueError, match=r"^kv_cache_dtype must be one of 'auto', 'fp8', "
                                          r"'fp8_e4m3'; got 'fp8_e5m2'$"):
         LLM(str(directory), tokenizer=str(demo_model_dir), kv_cache_dtype="fp8_e5m2")
+
+
+def _with_kv_scales(source, directory, layers) -> tuple[np.ndarray, np.ndarray]:
+    """A copy of ``source`` whose safetensors file also holds llm-compressor's per-layer
+    ``self_attn.k_scale`` / ``v_scale`` for ``layers``; returns the (k, v) f32[L] written."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    shutil.copytree(source, directory)
+    tensors = load_file(directory / "model.safetensors")
+    num_layers = 1 + max(int(n.split(".")[2]) for n in tensors if n.startswith("model.layers."))
+    k, v = np.linspace(0.5, 2.0, num_layers, dtype=np.float32), np.full(num_layers, 0.25, np.float32)
+    for i in layers:
+        tensors[f"model.layers.{i}.self_attn.k_scale"] = k[i:i + 1]
+        tensors[f"model.layers.{i}.self_attn.v_scale"] = v[i:i + 1]
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    return k, v
+
+
+def test_fp8_kv_cache_takes_the_checkpoints_calibrated_scales(tiny, demo_model_dir, tmp_path):
+    """A checkpoint storing ``self_attn.k_scale`` / ``v_scale`` (llm-compressor's KV cache
+    scales): an fp8 cache takes them, and the greedy first tokens are the step body's on a
+    cache with those scales; a checkpoint with some layers' scales only is refused."""
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    from jaxserve.model.loader import kv_cache_scales
+
+    directory, prompts = tiny
+    k, v = _with_kv_scales(directory, tmp_path / "scaled", layers=range(2))
+    got = kv_cache_scales(tmp_path / "scaled", 2)
+    np.testing.assert_array_equal(got[0], k)
+    np.testing.assert_array_equal(got[1], v)
+    assert kv_cache_scales(directory, 2) is None
+    with LLM(str(tmp_path / "scaled"), tokenizer=str(demo_model_dir), max_num_seqs=4,
+             max_num_batched_tokens=32, max_model_len=128, strict_recompile=True,
+             token_buckets=(8, 32), request_buckets=(4,), num_kv_blocks=40,
+             kv_cache_dtype="fp8") as llm:
+        np.testing.assert_array_equal(np.asarray(llm.engine.worker.kv_cache.k_scale), k)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    config, graphdef, state = load_model(tmp_path / "scaled")
+    runner = PagedRunner(config, graphdef, state, backend="cpu", cache_dtype="float8_e4m3fn")
+    runner.kv_cache = dataclasses.replace(runner.kv_cache, k_scale=jnp.asarray(k),
+                                          v_scale=jnp.asarray(v))
+    logits = runner.step({f"s{i}": p for i, p in enumerate(prompts)})
+    assert ([o.outputs[0].token_ids[0] for o in outs]
+            == [int(logits[f"s{i}"].argmax()) for i in range(len(prompts))])
+    _with_kv_scales(directory, tmp_path / "partial", layers=[0])
+    with pytest.raises(ValueError, match=r"stores fp8 KV cache scales for some layers but not "
+                                         r"'model\.layers\.1\.self_attn\.k_scale'"):
+        kv_cache_scales(tmp_path / "partial", 2)

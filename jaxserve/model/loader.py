@@ -215,6 +215,50 @@ class _SafetensorsIndex:
 _F8_E4M3 = "F8_E4M3"
 
 
+# Where a checkpoint may store layer i's calibrated fp8 KV cache scales (one value each):
+# llm-compressor's names (a compressed-tensors ``kv_cache_scheme``), and the output
+# scales of k_proj / v_proj that some writers store instead — the names vLLM loads.
+KV_SCALE_NAMES = {
+    "k_scale": ("model.layers.{i}.self_attn.k_scale", "model.layers.{i}.self_attn.k_proj.output_scale"),
+    "v_scale": ("model.layers.{i}.self_attn.v_scale", "model.layers.{i}.self_attn.v_proj.output_scale"),
+}
+
+
+def kv_cache_scales(model_dir: str | os.PathLike | None,
+                    num_layers: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """A checkpoint's calibrated per-layer fp8 KV cache scales, (k_scale, v_scale) f32[L], or
+    None when it stores none (the cache then takes 1.0, as vLLM's).
+
+    Read from the safetensors files under the names of ``KV_SCALE_NAMES``; a stored key is
+    key / k_scale (``jaxserve.model.kv_cache``). None for the demo model (``model_dir``
+    None) and for a directory without safetensors files (an orbax parameter checkpoint).
+
+    Raises:
+      ValueError: some layers have a scale and others not (the first missing name), or a
+        scale is not one positive finite value.
+    """
+    if model_dir is None or not any(pathlib.Path(model_dir).glob("*.safetensors")):
+        return None
+    index = _SafetensorsIndex(pathlib.Path(model_dir))
+    found = {kind: [next((n.format(i=i) for n in names if n.format(i=i) in index.weight_map),
+                         None) for i in range(num_layers)]
+             for kind, names in KV_SCALE_NAMES.items()}
+    if all(name is None for names in found.values() for name in names):
+        return None
+    scales = []
+    for kind, names in found.items():
+        if None in names:
+            missing = KV_SCALE_NAMES[kind][0].format(i=names.index(None))
+            raise ValueError(f"{model_dir}: the checkpoint stores fp8 KV cache scales for some "
+                             f"layers but not {missing!r}")
+        values = np.array([np.asarray(index.get(n), np.float32).reshape(-1) for n in names])
+        if values.shape != (num_layers, 1) or not (np.isfinite(values) & (values > 0)).all():
+            raise ValueError(f"{model_dir}: fp8 KV cache {kind} must be one positive finite "
+                             f"value per layer, got {values.reshape(num_layers, -1).tolist()}")
+        scales.append(values[:, 0])
+    return scales[0], scales[1]
+
+
 def abstract_model(config: ModelConfig, dtype: jnp.dtype, scan_layers: bool = False,
                    mesh=None, quantization: str | None = None) -> tuple[StaticGraph, dict]:
     """(graph, parameters as a pure dict of ShapeDtypeStructs) of CausalLM, allocating nothing.

@@ -73,9 +73,10 @@ from jaxserve.compressed_tensors import resolve_quantization
 from jaxserve.config import kv_cache_dtype_name
 from jaxserve.model import quantization as quant, sharding
 from jaxserve.model.attention import check_backend, default_backend
-from jaxserve.model.kv_cache import (KVCache, init_kv_cache, kv_cache_bytes_per_block,
+from jaxserve.model.kv_cache import (KVCache, init_kv_cache, is_fp8, kv_cache_bytes_per_block,
                                       kv_cache_shapes)
-from jaxserve.model.loader import is_scanned, load_model, resolve_dtype, served_dtype
+from jaxserve.model.loader import (is_scanned, kv_cache_scales, load_model, resolve_dtype,
+                                   served_dtype)
 from jaxserve.step_plan import (Geometry, PromptLogprobs, StepPlan, StepResult, WorkerInit,
                                 WorkerStatus)
 from jaxserve.worker import device_state as ds
@@ -274,6 +275,9 @@ class InProcessWorker:
         cache_dtype = jnp.dtype(kv_cache_dtype_name(init.kv_cache_dtype, init.dtype))
         self.model_config, self.init = config, init
         self.draft = self._load_draft(init, config)
+        scales = self._kv_scales(init.model, config, cache_dtype)  # checked before any compile
+        draft_scales = (None if self.draft is None else
+                        self._kv_scales(init.draft_model, self.draft[0], cache_dtype))
         max_len = config.max_position_embeddings
         max_model_len = min(init.max_model_len or max_len, max_len)
         m = init.max_num_seqs
@@ -330,10 +334,10 @@ class InProcessWorker:
         if num_blocks < 2:
             raise ValueError(f"the KV cache must have >= 2 blocks, got {num_blocks}")
         self.kv_cache = init_kv_cache(config, num_blocks, init.block_size, cache_dtype,
-                                      stacked=init.scan_layers, mesh=self.mesh)
+                                      stacked=init.scan_layers, mesh=self.mesh, scales=scales)
         self.draft_kv_cache = None if self.draft is None else init_kv_cache(
             self.draft[0], num_blocks, init.block_size, cache_dtype, stacked=init.scan_layers,
-            mesh=self.mesh)
+            mesh=self.mesh, scales=draft_scales)
         self.layouts = {t: StepLayout.for_bucket(t, m, init.block_size)
                         for t in init.token_buckets}
         self.request_buckets = tuple(sorted(init.request_buckets))
@@ -394,6 +398,18 @@ class InProcessWorker:
                              f"model's ({config.vocab_size}); a draft model must share the "
                              f"tokenizer")
         return draft
+
+    @staticmethod
+    def _kv_scales(model_dir, config, cache_dtype):
+        """An fp8 cache's calibrated scales from the checkpoint (``loader.kv_cache_scales``),
+        or None: 1.0, and for other caches."""
+        if not is_fp8(cache_dtype):
+            return None
+        scales = kv_cache_scales(model_dir, config.num_layers)
+        if scales is not None:
+            logger.info("fp8 KV cache scales from %s: k %s, v %s", model_dir,
+                        np.round(scales[0], 4).tolist(), np.round(scales[1], 4).tolist())
+        return scales
 
     def _draft_shapes(self) -> LadderShapes:
         config, graphdef, state = self.draft

@@ -262,7 +262,6 @@ def _set(config: dict, dotted: str, value) -> None:
     ("config_groups.group_0.weights.dynamic", True),
     ("config_groups.group_0.input_activations.type", "int"),
     ("config_groups.group_0.input_activations.strategy", "group"),
-    ("kv_cache_scheme", {"num_bits": 8, "type": "float", "strategy": "tensor"}),
 ])
 def test_unsupported_schemes_are_refused_naming_the_field(field, value, tmp_path):
     """The one-line message names the field and its value, before any weight is read."""
@@ -275,6 +274,29 @@ def test_unsupported_schemes_are_refused_naming_the_field(field, value, tmp_path
     with pytest.raises(ValueError, match=match) as err:
         load_model(path)
     assert "\n" not in str(err.value)
+
+
+KV_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,
+             "symmetric": True}  # llm-compressor's static fp8 KV cache scheme
+
+
+@pytest.mark.parametrize("key,value", [(None, None), ("type", "int"), ("strategy", "attn_head"),
+                                       ("dynamic", True)])
+def test_only_a_static_per_tensor_e4m3_kv_cache_scheme_is_accepted(key, value, tmp_path):
+    """Its scales are what an fp8 KV cache takes (``loader.kv_cache_scales``); any other
+    KV cache scheme is refused naming the field."""
+    _, _, path = _tiny(tmp_path)
+    config_file = path / "config.json"
+    config = json.loads(config_file.read_text())
+    config["quantization_config"]["kv_cache_scheme"] = (
+        KV_SCHEME if key is None else {**KV_SCHEME, key: value})
+    config_file.write_text(json.dumps(config))
+    if key is None:
+        assert checkpoint_quantization(path) == "fp8"
+        return
+    with pytest.raises(ValueError, match=rf"^quantization_config\.kv_cache_scheme\.{key} is "
+                                         rf"{re.escape(repr(value))}; jaxserve"):
+        checkpoint_quantization(path)
 
 
 def test_a_decoder_kernel_left_float_is_refused(tmp_path):
