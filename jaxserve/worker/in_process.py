@@ -124,8 +124,8 @@ class PendingStep:
         self._num_sampled, self._out, self._logprobs, self._done = num_sampled, out, logprobs, done
         self._dispatched, self._host_seconds, self._on_done = dispatched, host_seconds, on_done
         self._prompt = prompt  # (mr.PromptLogprobs on the device, token, index, position)
-        # (kept bool[R] on the device, each sampling row's slots i32[k], the callback
-        # taking its accepted drafts i32[k]), or None without drafts
+        # (kept bool[R] on the device, each sampling row's first slot i32[rows], the
+        # callback taking its accepted drafts i32[rows]), or None without drafts
         self._drafts = drafts
         # (the draft model's proposals i32[R, k] on the device, each sampling row's
         # first slot i32[rows]), or None without a draft model
@@ -160,8 +160,7 @@ class PendingStep:
                 self.step_id, out.token_ids[:s], out.logprob[:s], out.rank[:s],
                 out.top_token_ids[:s], out.top_logprobs[:s]))
         if "kept" in extra:
-            _, slots, on_accepted = self._drafts
-            starts = (np.cumsum(slots) - slots).astype(np.intp)
+            _, starts, on_accepted = self._drafts
             accepted = (np.add.reduceat(extra["kept"][:s].astype(np.int32), starts) - 1
                         ).astype(np.int32)
             on_accepted(accepted)
@@ -557,10 +556,12 @@ class InProcessWorker:
             self.penalty = ds.PenaltyState(self.penalty.prompt_mask, counts)
         self.executed_variants[variant_name(variant)] += 1
         logprobs = bool((rows.params["num_logprobs"][sample_rows] >= 0).any())
+        per_row = slots[plan.sample]  # each sampling row's slots (1 + its drafts)
+        first_slots = (np.cumsum(per_row) - per_row).astype(np.intp)
         drafts = None
         if plan.num_draft is not None:  # speculative decoding: the kept slots come back too
             sampling = plan.rows[plan.sample]
-            drafts = (kept, slots[plan.sample], functools.partial(rows.count_accepted, sampling))
+            drafts = (kept, first_slots, functools.partial(rows.count_accepted, sampling))
             kept.copy_to_host_async()
         proposals = None
         # The next step's drafts, in the same download — unless this step's sampling rows
@@ -576,8 +577,7 @@ class InProcessWorker:
                 self.draft[2], self.draft_kv_cache, self.device_rows.block_table,
                 self.last_token, sample_slots, kept)
             proposed.copy_to_host_async()
-            per_row = slots[plan.sample]
-            proposals = (proposed, (np.cumsum(per_row) - per_row).astype(np.intp))
+            proposals = (proposed, first_slots)
             self.num_proposal_steps += 1
         for leaf in jax.tree.leaves(out if logprobs else out.token_ids):
             leaf.copy_to_host_async()
