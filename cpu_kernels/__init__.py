@@ -2,7 +2,10 @@
 
 ``paged_attention.cc`` is ragged paged attention for float32 on the CPU (the
 ``cpu`` attention backend, ``jaxserve.model.attention``). Its contract and
-results are ``pallas_kernels.ragged_paged_attention_reference``'s.
+results are ``pallas_kernels.ragged_paged_attention_reference``'s. The KV cache
+is float32, or float8_e4m3fn (``--kv-cache-dtype fp8``), which the same code
+(a second instantiation, ``F8_TARGET``) reads as bytes and widens to float32 in
+registers, without a scale: the caller applies the per-layer k and v scales.
 
 ``matmul.cc`` is the matrix product of few rows against a kernel stored
 ``[out, in]`` (``matmul``), which ``jaxserve.model.llama.linear`` uses for
@@ -47,6 +50,7 @@ SOURCES = tuple(pathlib.Path(__file__).with_name(name)
 # Included by the sources; part of the build's cache key.
 HEADERS = (pathlib.Path(__file__).with_name("parallel.h"),)
 TARGET = "jaxserve_paged_attention_f32"
+F8_TARGET = "jaxserve_paged_attention_f8e4m3fn"
 MATMUL_TARGET = "jaxserve_matmul_f32"
 MATMUL_I8_TARGET = "jaxserve_matmul_i8"
 MATMUL_I4_TARGET = "jaxserve_matmul_i4"
@@ -126,6 +130,9 @@ def _load() -> str | None:
         lib = ctypes.cdll.LoadLibrary(str(_build()))
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxservePagedAttentionF32),
                                     platform="cpu")
+        jax.ffi.register_ffi_target(F8_TARGET,
+                                    jax.ffi.pycapsule(lib.JaxservePagedAttentionF8E4M3FN),
+                                    platform="cpu")
         jax.ffi.register_ffi_target(MATMUL_TARGET, jax.ffi.pycapsule(lib.JaxserveMatmulF32),
                                     platform="cpu")
         jax.ffi.register_ffi_target(MATMUL_I8_TARGET, jax.ffi.pycapsule(lib.JaxserveMatmulI8),
@@ -159,8 +166,14 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     Same arguments, shapes and results as
     ``pallas_kernels.ragged_paged_attention_reference`` (q [T, N, H],
     caches [B, K, S, H], block_table i32[R, MB], seq_lens i32[R],
-    query_start_loc i32[R + 1]; returns [T, N, H], zeros for padding tokens).
-    Other dtypes are computed in float32 and cast back.
+    query_start_loc i32[R + 1]; returns [T, N, H] of q's dtype, zeros for
+    padding tokens), computed in float32. q is cast to float32. float8_e4m3fn
+    caches (both) reach the kernel as they are, each element widened to float32
+    as it is read, with no scale (a per-layer k_scale belongs in q, a v_scale on
+    the output: the caller's); the values equal ``k_cache.astype(float32)``'s
+    but for the NaN codes, which the kernel reads as ±480 (an fp8 cache writer
+    clips to ±448). Caches of any other dtype are cast to float32 (a copy of the
+    whole cache per call).
 
     Raises:
       RuntimeError: the kernel could not be built (``available()`` is False).
@@ -176,8 +189,12 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     if why is not None:
         raise RuntimeError(f"the CPU attention kernel is unavailable: {why}")
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
-    out = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
-        f32(q), f32(k_cache), f32(v_cache), block_table.astype(jnp.int32),
+    if k_cache.dtype == v_cache.dtype == jnp.float8_e4m3fn:
+        target = F8_TARGET
+    else:
+        target, k_cache, v_cache = TARGET, f32(k_cache), f32(v_cache)
+    out = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
+        f32(q), k_cache, v_cache, block_table.astype(jnp.int32),
         seq_lens.astype(jnp.int32), query_start_loc.astype(jnp.int32),
         sm_scale=np.float32(sm_scale), sliding_window=np.int64(sliding_window or 0),
         soft_cap=np.float32(soft_cap or 0.0))

@@ -1,10 +1,17 @@
 // Ragged paged attention for the CPU, float32: an XLA FFI custom call.
 //
 // The contract is pallas_kernels.ragged_paged_attention's (the pure-jnp
-// reference in pallas_kernels/rpa_reference.py is the oracle): q [T, N, H],
+// reference in pallas_kernels/rpa_reference.py is the oracle): q f32[T, N, H],
 // k_cache/v_cache [B, K, S, H] (the step's K/V already written),
 // block_table i32[R, MB], seq_lens i32[R], query_start_loc i32[R + 1]; the
-// output is [T, N, H], zero for padding tokens.
+// output is f32[T, N, H], zero for padding tokens.
+//
+// The caches are float32 (JaxservePagedAttentionF32) or float8_e4m3fn
+// (JaxservePagedAttentionF8E4M3FN): one implementation, a template over the
+// cache element type E. An fp8 chunk's key and value rows are widened to
+// float32, 16 lanes at a time, into a small per-thread buffer that the float32
+// code then reads (WidenF8E4M3FN); a float32 cache is read in place. No scale:
+// the caller applies per-layer k and v scales to q and to the output.
 //
 // Work is split into items of (row, KV head, up to kQueryTile query tokens);
 // an item's G·Tq query vectors share every key they read, straight from the
@@ -23,7 +30,12 @@
 #include <cstring>
 #include <memory>
 #include <thread>
+#include <type_traits>
 #include <vector>
+
+#if defined(__AVX2__) && defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
@@ -44,10 +56,12 @@ constexpr int64_t kSerialWork = 1 << 19;
 // Masked scores: finite (see MASK_VALUE in pallas_kernels/rpa_reference.py).
 constexpr float kMask = -1e30f;
 
+// E, the cache element type: float, or uint8_t for float8_e4m3fn's bits.
+template <typename E>
 struct Problem {
   const float* q;
-  const float* k;
-  const float* v;
+  const E* k;
+  const E* v;
   const int32_t* block_table;
   const int32_t* seq_lens;
   const int32_t* query_start_loc;
@@ -68,6 +82,46 @@ typedef float V16 __attribute__((vector_size(64), aligned(64)));
 typedef int32_t I16 __attribute__((vector_size(64), aligned(64)));
 // The same vector at any float's alignment, for loads straight from the cache.
 typedef float V16u __attribute__((vector_size(64), aligned(4), may_alias));
+
+// Whether a cache of E is widened into a float32 buffer chunk by chunk (fp8), rather
+// than read in place (float32).
+template <typename E>
+constexpr bool kWidened = !std::is_same_v<E, float>;
+
+typedef uint8_t U8x16u __attribute__((vector_size(16), aligned(1), may_alias));
+
+// 16 float8_e4m3fn values from src as float32 at dst (64-byte aligned), exactly, with no
+// float32 subnormal on the way: XLA runs custom calls with denormals flushed (DAZ and FTZ
+// on its threads), so a subnormal float32 operand reads as 0 (the shortcut of shifting
+// the fp8 bits into a float32 and multiplying by 2^120 lost every fp8 subnormal).
+//
+// With AVX2 and F16C: the byte shifted left by 7 puts e4m3's sign, 4 exponent and 3
+// mantissa bits in float16's sign, the low 4 of its 5 exponent bits and the top of its
+// mantissa: a float16 of the fp8 value times 2^-8 (biases 15 and 7), subnormals
+// included; vcvtph2ps widens it exactly (it ignores DAZ: Intel SDM, VCVTPH2PS) and
+// times 2^8, a product of normals, is the value. Elsewhere: the 7 magnitude bits, shifted left by 20, re-biased by an integer
+// add (biases 7 and 127) are the value for e >= 1; a subnormal (e = 0, m · 2^-9) is
+// 2^-6 · 1.mmm − 2^-6, exact (Sterbenz); then the sign bit. Either way the NaN codes
+// 0x7f / 0xff come out as ±480, not NaN: the cache writer clips to ±448, e4m3fn's
+// largest finite value, so they never occur.
+inline void WidenF8E4M3FN(const uint8_t* src, float* dst) {
+#if defined(__AVX2__) && defined(__F16C__)
+  // Sign-extended to 16 bits, shifted by 7: the sign lands in bits 15 and 14, the
+  // exponent and mantissa in 13..7; clearing bit 14 leaves the float16.
+  const __m256i bytes = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+  const __m256i half = _mm256_and_si256(_mm256_slli_epi16(bytes, 7), _mm256_set1_epi16(int16_t(0xbf80)));
+  const __m256 scale = _mm256_set1_ps(0x1p8f);
+  _mm256_store_ps(dst, _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(half)), scale));
+  _mm256_store_ps(dst + 8, _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(half, 1)), scale));
+#else
+  const I16 bytes = __builtin_convertvector(*reinterpret_cast<const U8x16u*>(src), I16);
+  const I16 magnitude = bytes & 0x7f;
+  const V16 normal = reinterpret_cast<V16>((magnitude << 20) + (120 << 23));
+  const V16 subnormal = reinterpret_cast<V16>((magnitude << 20) + (121 << 23)) - 0x1p-6f;
+  const V16 value = magnitude < 8 ? subnormal : normal;
+  *reinterpret_cast<V16*>(dst) = reinterpret_cast<V16>(reinterpret_cast<I16>(value) | (bytes & 0x80) << 24);
+#endif
+}
 
 // Sum and maximum of a vector's 16 lanes: four halving steps, each one lane shuffle.
 inline V16 Fold(V16 v, bool take_max) {
@@ -144,7 +198,8 @@ struct Queries {
   std::vector<float> lo;   // [nq] first visible key position
 };
 
-void LoadQueries(const Problem& p, const Item& it, int64_t H, Queries& out) {
+template <typename E>
+void LoadQueries(const Problem<E>& p, const Item& it, int64_t H, Queries& out) {
   const int64_t G = p.num_heads / p.num_kv_heads;
   const int64_t ctx = p.seq_lens[it.row] - (p.query_start_loc[it.row + 1] - p.query_start_loc[it.row]);
   out.count = it.count * G;
@@ -170,9 +225,13 @@ void LoadQueries(const Problem& p, const Item& it, int64_t H, Queries& out) {
 }
 
 // The key and value rows of positions [base, base + valid) of the item's row and KV
-// head, through the block table (a chunk spans several blocks when S < 16).
-void ChunkRows(const Problem& p, const Item& it, int64_t H, int64_t base, int64_t valid,
-               const float** krows, const float** vrows) {
+// head, through the block table (a chunk spans several blocks when S < 16), as float32
+// rows: a float32 cache's in place; an fp8 cache's widened into `staging`
+// ([2 · kChunk, H]: keys, then values), once per chunk, as every query vector of the
+// item reads them.
+template <typename E>
+void ChunkRows(const Problem<E>& p, const Item& it, int64_t H, int64_t base, int64_t valid,
+               float* staging, const float** krows, const float** vrows) {
   const int32_t* table = p.block_table + static_cast<int64_t>(it.row) * p.max_blocks;
   // One division per chunk: consecutive positions walk a block's slots, then the next block.
   int64_t index = base / p.block_size, slot = base % p.block_size, start = 0;
@@ -182,8 +241,19 @@ void ChunkRows(const Problem& p, const Item& it, int64_t H, int64_t base, int64_
       block = std::min<int64_t>(std::max<int64_t>(block, 0), p.num_blocks - 1);
       start = (block * p.num_kv_heads + it.kv_head) * p.block_size * H;
     }
-    krows[c] = p.k + start + slot * H;
-    vrows[c] = p.v + start + slot * H;
+    if constexpr (kWidened<E>) {
+      float* kdst = staging + c * H;
+      float* vdst = staging + (kChunk + c) * H;
+      for (int64_t h = 0; h < H; h += 16) {
+        WidenF8E4M3FN(p.k + start + slot * H + h, kdst + h);
+        WidenF8E4M3FN(p.v + start + slot * H + h, vdst + h);
+      }
+      krows[c] = kdst;
+      vrows[c] = vdst;
+    } else {
+      krows[c] = p.k + start + slot * H;
+      vrows[c] = p.v + start + slot * H;
+    }
     if (++slot == p.block_size) {
       slot = 0;
       ++index;
@@ -192,7 +262,8 @@ void ChunkRows(const Problem& p, const Item& it, int64_t H, int64_t base, int64_
 }
 
 // acc [nq, H] / l [nq] into the output rows of the item's query vectors (0 where l == 0).
-void StoreOutputs(const Problem& p, const Item& it, int64_t H, const float* acc, const float* l) {
+template <typename E>
+void StoreOutputs(const Problem<E>& p, const Item& it, int64_t H, const float* acc, const float* l) {
   const int64_t G = p.num_heads / p.num_kv_heads;
   for (int64_t i = 0; i < it.count; ++i) {
     for (int64_t g = 0; g < G; ++g) {
@@ -208,18 +279,20 @@ const V16 kLane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 
 // Few query vectors (decode: G of them): a query's 16 scores of a chunk are one
 // vector: a dot product (H/16 FMAs) per key, the 16 lane sums at once (LaneSums16).
-template <int H>
-void RunItemKeysInLanes(const Problem& p, const Item& it, Queries& qs, std::vector<V16>& scratch) {
+template <int H, typename E>
+void RunItemKeysInLanes(const Problem<E>& p, const Item& it, Queries& qs, std::vector<V16>& scratch) {
   constexpr int64_t HV = H / 16;
   const int64_t nq = qs.count;
-  scratch.assign(nq * HV, V16{});  // acc [nq, H]
+  // Scratch: acc [nq, H], then (fp8) the chunk's widened rows [2 · kChunk, H].
+  scratch.assign(nq * HV + (kWidened<E> ? 2 * kChunk * HV : 0), V16{});
   V16* acc = scratch.data();
+  float* staging = reinterpret_cast<float*>(acc + nq * HV);
   std::vector<float> m(nq, kMask), l(nq, 0.0f);
   const float* krows[kChunk];
   const float* vrows[kChunk];
   for (int64_t base = qs.key_lo / kChunk * kChunk; base <= qs.key_hi; base += kChunk) {
     const int64_t valid = std::min<int64_t>(kChunk, qs.key_hi + 1 - base);  // later keys: never read
-    ChunkRows(p, it, H, base, valid, krows, vrows);
+    ChunkRows(p, it, H, base, valid, staging, krows, vrows);
     const V16 kpos = kLane + static_cast<float>(base);
     for (int64_t j = 0; j < nq; ++j) {
       const V16u* qj = reinterpret_cast<const V16u*>(qs.q.data() + j * H);  // not 64-byte aligned
@@ -264,14 +337,17 @@ void RunItemKeysInLanes(const Problem& p, const Item& it, Queries& qs, std::vect
 // Many query vectors (prefill): 16 queries in the lanes of a vector. The queries are
 // transposed once per item; a key's scores against 16 queries are then H FMAs, and
 // the online softmax runs on whole vectors (no lane sums).
-template <int H>
-void RunItemQueriesInLanes(const Problem& p, const Item& it, Queries& qs, std::vector<V16>& scratch) {
+template <int H, typename E>
+void RunItemQueriesInLanes(const Problem<E>& p, const Item& it, Queries& qs, std::vector<V16>& scratch) {
   constexpr int64_t HV = H / 16;
   const int64_t nq = qs.count;
   const int64_t groups = (nq + 15) / 16;  // query vectors of 16 lanes
   // Scratch: qT [groups, H] (query lanes per channel), acc [groups·16, HV],
-  // m, l, pos, lo [groups], p [kChunk] (one chunk's probabilities of a group).
-  scratch.assign(groups * H + groups * 16 * HV + 4 * groups + kChunk, V16{});
+  // m, l, pos, lo [groups], p [kChunk] (one chunk's probabilities of a group), then
+  // (fp8) the chunk's widened rows [2 · kChunk, H].
+  scratch.assign(groups * H + groups * 16 * HV + 4 * groups + kChunk +
+                     (kWidened<E> ? 2 * kChunk * HV : 0),
+                 V16{});
   V16* qT = scratch.data();
   V16* acc = qT + groups * H;
   V16* m = acc + groups * 16 * HV;
@@ -279,6 +355,7 @@ void RunItemQueriesInLanes(const Problem& p, const Item& it, Queries& qs, std::v
   V16* posv = l + groups;
   V16* lov = posv + groups;
   V16* prob = lov + groups;
+  float* staging = reinterpret_cast<float*>(prob + kChunk);
   for (int64_t gi = 0; gi < groups; ++gi) {
     m[gi] = V16{} + kMask;
     posv[gi] = V16{} - 1.0f;  // lanes past nq see no key
@@ -294,7 +371,7 @@ void RunItemQueriesInLanes(const Problem& p, const Item& it, Queries& qs, std::v
   const float* vrows[kChunk];
   for (int64_t base = qs.key_lo / kChunk * kChunk; base <= qs.key_hi; base += kChunk) {
     const int64_t valid = std::min<int64_t>(kChunk, qs.key_hi + 1 - base);  // later keys: never read
-    ChunkRows(p, it, H, base, valid, krows, vrows);
+    ChunkRows(p, it, H, base, valid, staging, krows, vrows);
     for (int64_t gi = 0; gi < groups; ++gi) {
       const V16* qg = qT + gi * H;
       V16 s[kChunk];
@@ -353,8 +430,8 @@ void RunItemQueriesInLanes(const Problem& p, const Item& it, Queries& qs, std::v
   StoreOutputs(p, it, H, reinterpret_cast<const float*>(acc), lsum.data());
 }
 
-template <int H>
-void RunItem(const Problem& p, const Item& it, Queries& qs, std::vector<V16>& scratch) {
+template <int H, typename E>
+void RunItem(const Problem<E>& p, const Item& it, Queries& qs, std::vector<V16>& scratch) {
   static_assert(H % 16 == 0, "head_dim must be a multiple of 16");
   LoadQueries(p, it, H, qs);
   if (qs.count >= kQueriesInLanesAt)
@@ -363,7 +440,8 @@ void RunItem(const Problem& p, const Item& it, Queries& qs, std::vector<V16>& sc
     RunItemKeysInLanes<H>(p, it, qs, scratch);
 }
 
-void RunItems(const Problem& p, const std::vector<Item>& items, std::atomic<int64_t>& next) {
+template <typename E>
+void RunItems(const Problem<E>& p, const std::vector<Item>& items, std::atomic<int64_t>& next) {
   std::vector<V16> scratch;
   Queries qs;
   for (int64_t i = next.fetch_add(1); i < static_cast<int64_t>(items.size()); i = next.fetch_add(1)) {
@@ -379,18 +457,21 @@ void RunItems(const Problem& p, const std::vector<Item>& items, std::atomic<int6
   }
 }
 
-ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache,
-                          ffi::Buffer<ffi::F32> v_cache, ffi::Buffer<ffi::S32> block_table,
-                          ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> query_start_loc,
-                          float sm_scale, int64_t sliding_window, float soft_cap,
-                          ffi::ResultBuffer<ffi::F32> out) {
-  Problem p;
+// The call for caches of element type E (ffi::Buffer<F32>, or AnyBuffer holding
+// float8_e4m3fn: the FFI header maps no C++ type to F8E4M3FN, so Buffer<F8E4M3FN> does
+// not compile).
+template <typename E, typename Cache>
+ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, Cache k_cache, Cache v_cache,
+                          ffi::Buffer<ffi::S32> block_table, ffi::Buffer<ffi::S32> seq_lens,
+                          ffi::Buffer<ffi::S32> query_start_loc, float sm_scale,
+                          int64_t sliding_window, float soft_cap, ffi::ResultBuffer<ffi::F32> out) {
+  Problem<E> p;
   auto qd = q.dimensions(), kd = k_cache.dimensions(), bd = block_table.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || bd.size() != 2)
     return ffi::Error::InvalidArgument("paged_attention: q [T, N, H], caches [B, K, S, H], block_table [R, MB]");
   p.q = q.typed_data();
-  p.k = k_cache.typed_data();
-  p.v = v_cache.typed_data();
+  p.k = static_cast<const E*>(k_cache.untyped_data());
+  p.v = static_cast<const E*>(v_cache.untyped_data());
   p.block_table = block_table.typed_data();
   p.seq_lens = seq_lens.typed_data();
   p.query_start_loc = query_start_loc.typed_data();
@@ -434,7 +515,7 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   });
   // The items go to the pool (parallel.h); the shared state outlives the call for late helpers.
   struct Shared {
-    Problem p;
+    Problem<E> p;
     std::vector<Item> items;
     std::atomic<int64_t> next{0};
   };
@@ -455,14 +536,48 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   return ffi::Error::Success();
 }
 
+ffi::Error PagedAttentionF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache,
+                             ffi::Buffer<ffi::F32> v_cache, ffi::Buffer<ffi::S32> block_table,
+                             ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> query_start_loc,
+                             float sm_scale, int64_t sliding_window, float soft_cap,
+                             ffi::ResultBuffer<ffi::F32> out) {
+  return PagedAttention<float>(pool, q, k_cache, v_cache, block_table, seq_lens, query_start_loc,
+                               sm_scale, sliding_window, soft_cap, out);
+}
+
+ffi::Error PagedAttentionF8E4M3FN(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_cache,
+                                  ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> block_table,
+                                  ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> query_start_loc,
+                                  float sm_scale, int64_t sliding_window, float soft_cap,
+                                  ffi::ResultBuffer<ffi::F32> out) {
+  if (k_cache.element_type() != ffi::F8E4M3FN || v_cache.element_type() != ffi::F8E4M3FN)
+    return ffi::Error::InvalidArgument("paged_attention_f8e4m3fn: float8_e4m3fn caches expected");
+  return PagedAttention<uint8_t>(pool, q, k_cache, v_cache, block_table, seq_lens, query_start_loc,
+                                 sm_scale, sliding_window, soft_cap, out);
+}
+
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttentionF32, PagedAttention,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttentionF32, PagedAttentionF32,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<float>("sm_scale")
+                                  .Attr<int64_t>("sliding_window")
+                                  .Attr<float>("soft_cap")
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttentionF8E4M3FN, PagedAttentionF8E4M3FN,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()

@@ -2,9 +2,11 @@
 
 Same cases and bound as the reference's test (``test_reference.py``): every
 unowned cache slot is NaN, block ids past a row's last block are garbage, and
-rows mix decode, prefill after cached blocks, empty and padding rows.
+rows mix decode, prefill after cached blocks, empty and padding rows. float8_e4m3fn
+caches: the kernel against both on the same caches widened to float32.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -78,6 +80,91 @@ def test_bfloat16_inputs_are_computed_in_float32():
     out = cpu_kernels.ragged_paged_attention(*_args(case, jnp.bfloat16), sm_scale=0.125)
     assert out.dtype == jnp.bfloat16
     assert relative_error(np.asarray(out, np.float32), oracle(case, sm_scale=0.125)) < 1e-2
+
+
+def _fp8_caches(case):
+    """The case's caches as float8_e4m3fn (jax arrays), and the case with them widened to
+    float32 (what the oracle and the reference see; NaN slots stay NaN)."""
+    k8, v8 = (jnp.asarray(x, jnp.float8_e4m3fn) for x in (case.k_cache, case.v_cache))
+    widened = dataclasses.replace(case, k_cache=np.asarray(k8, np.float32),
+                                  v_cache=np.asarray(v8, np.float32))
+    return k8, v8, widened
+
+
+# (block_size, (N, K), head_dim, sliding_window, soft_cap): the float32 sweep's kinds —
+# block sizes, MHA and GQA, head dims, window, soft cap — in four cases (a reference
+# compile each); every case has decode, prefill, prefill-after-context, empty and
+# padding rows.
+FP8_CASES = [
+    (16, (9, 3), 64, None, None),  # the demo model's shape
+    (1, (4, 4), 32, 8, None),
+    (8, (8, 2), 128, None, 5.0),
+    (32, (6, 3), 256, 20, 2.0),
+]
+
+
+@pytest.mark.parametrize("block_size,heads,head_dim,window,cap", FP8_CASES)
+def test_fp8_cache_matches_the_reference_on_the_widened_cache(block_size, heads, head_dim,
+                                                              window, cap):
+    rng = np.random.default_rng(block_size * 100 + heads[0] + head_dim)
+    case = make_case(rng, num_heads=heads[0], num_kv_heads=heads[1], head_dim=head_dim,
+                     block_size=block_size)
+    k8, v8, widened = _fp8_caches(case)
+    q, _, _, *meta = _args(case)
+    kw = dict(sm_scale=head_dim ** -0.5, sliding_window=window, soft_cap=cap)
+    out = np.asarray(jax.jit(functools.partial(cpu_kernels.ragged_paged_attention, **kw))(
+        q, k8, v8, *meta))
+    ref = np.asarray(ragged_paged_attention_reference(*_args(widened), **kw))
+    assert out.dtype == np.float32 and np.isfinite(out).all()
+    assert relative_error(out, ref) < BOUND
+    assert relative_error(out, oracle(widened, **kw)) < BOUND
+    assert (out[case.query_start_loc[-1]:] == 0).all(), "padding tokens must give zeros"
+
+
+def test_fp8_widening_is_exact_for_every_byte():
+    """All 256 float8_e4m3fn codes as one value row (H = 256) of a one-token row: the
+    output is that row (one key: probability exactly 1), so it shows the kernel's
+    widening, which must equal ml_dtypes' and XLA's. Exceptions: the NaN codes 0x7f / 0xff
+    read as ±480 (documented: the cache writer never stores them), and -0 (0x80) comes
+    out +0 (0 + -0 in the weighted sum), equal in value."""
+    codes = np.arange(256, dtype=np.uint8)
+    fp8 = codes.view(jnp.float8_e4m3fn)
+    expected = fp8.astype(np.float32)  # ml_dtypes
+    by_xla = np.asarray(jax.lax.bitcast_convert_type(jnp.asarray(codes), jnp.float8_e4m3fn)
+                        .astype(jnp.float32))
+    np.testing.assert_array_equal(by_xla.view(np.uint32), expected.view(np.uint32))
+    v = jnp.asarray(fp8.reshape(1, 1, 1, 256))
+    k = jnp.asarray(np.ones((1, 1, 1, 256), np.float32), jnp.float8_e4m3fn)
+    q = jnp.asarray(np.random.default_rng(2).standard_normal((1, 1, 256)), jnp.float32)
+    out = np.asarray(cpu_kernels.ragged_paged_attention(
+        q, k, v, jnp.zeros((1, 1), jnp.int32), jnp.ones(1, jnp.int32),
+        jnp.array([0, 1], jnp.int32), sm_scale=0.1))[0, 0]
+    finite = (codes & 0x7f) != 0x7f
+    bits_equal = out.view(np.uint32) == expected.view(np.uint32)
+    assert bits_equal[finite & (codes != 0x80)].all(), codes[~bits_equal & finite]
+    assert out[0x80] == 0
+    assert out[0x7f] == 480 and out[0xff] == -480
+
+
+def test_fp8_cache_reaches_the_kernel_unconverted():
+    """The fp8 caches are the custom call's operands as they are: no float32 copy of a
+    cache anywhere in the lowered or the compiled program (a convert of the whole cache
+    per layer per step is what the fp8 target exists to avoid)."""
+    rng = np.random.default_rng(4)
+    case = make_case(rng, num_heads=9, num_kv_heads=3, head_dim=64, block_size=16)
+    k8, v8, _ = _fp8_caches(case)
+    q, _, _, *meta = _args(case)
+    lowered = jax.jit(functools.partial(cpu_kernels.ragged_paged_attention, sm_scale=0.125)
+                      ).lower(q, k8, v8, *meta)
+    mlir = lowered.as_text()
+    dims = "x".join(map(str, k8.shape))
+    (call,) = [line for line in mlir.splitlines() if "custom_call" in line]
+    assert cpu_kernels.F8_TARGET in call
+    assert call.count(f"tensor<{dims}xf8E4M3FN>") == 2, call
+    assert f"tensor<{dims}xf32>" not in mlir
+    hlo = lowered.compile().as_text()
+    assert f"f32[{','.join(map(str, k8.shape))}]" not in hlo
+    assert f"f8e4m3fn[{','.join(map(str, k8.shape))}]" in hlo
 
 
 def test_unsupported_head_dim_is_refused():
