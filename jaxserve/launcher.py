@@ -50,7 +50,6 @@ executables instead of compiling them.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import logging
 import os
@@ -60,8 +59,8 @@ import sys
 import threading
 import time
 
-from jaxserve.procutil import (DEVICE_ENV_VARS, MEM_FRACTION_ENV, SHUTDOWN_GRACE_ENV, WORKER_ENV,
-                               die_with_parent, free_port, quiet_library_notices)
+from jaxserve.procutil import (DEVICE_ENV_VARS, MEM_FRACTION_ENV, PARENT_PID_ENV,
+                               SHUTDOWN_GRACE_ENV, WORKER_ENV, free_port, quiet_library_notices)
 
 logger = logging.getLogger(__name__)
 
@@ -315,10 +314,8 @@ class Launcher:
     def _spawn(self, name: str, cmd: list[str], env: dict[str, str],
                stdout: int | None = None) -> subprocess.Popen:
         logger.info("starting %s: %s", name, " ".join(cmd[1:]))
-        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=stdout,
-                                text=stdout is not None,
-                                process_group=0 if self._pgid is None else self._pgid,
-                                preexec_fn=functools.partial(die_with_parent, os.getpid()))
+        proc = spawn_child(cmd, env, process_group=0 if self._pgid is None else self._pgid,
+                           stdout=stdout)
         if self._pgid is None:
             self._pgid = proc.pid
         self.processes[name] = proc
@@ -434,6 +431,22 @@ def _distinct_free_ports(count: int) -> list[int]:
         if port not in ports:
             ports.append(port)
     return ports
+
+
+def spawn_child(cmd: list[str], env: dict[str, str], *, process_group: int,
+                stdout: int | None = None) -> subprocess.Popen:
+    """Starts one of the launcher's processes: stdin closed, in ``process_group`` (0: a new one).
+
+    The child learns this process's id from ``$JAXSERVE_PARENT_PID`` and asks
+    to die with it (``procutil.die_with_launcher``). No ``preexec_fn``: with
+    one, Python forks instead of vforking, and a process holding gRPC channels
+    (a test, an application embedding the launcher) then sometimes loses the
+    child to SIGABRT before exec (see ``die_with_launcher``).
+    ``stdout=subprocess.PIPE`` gives a text pipe.
+    """
+    return subprocess.Popen(cmd, env={**env, PARENT_PID_ENV: str(os.getpid())},
+                            stdin=subprocess.DEVNULL, stdout=stdout, text=stdout is not None,
+                            process_group=process_group)
 
 
 def _read_announcement(proc: subprocess.Popen, timeout: float = _ANNOUNCE_TIMEOUT_S) -> str:

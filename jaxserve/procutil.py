@@ -4,6 +4,8 @@
 - ``die_with_parent()``: Linux ``PR_SET_PDEATHSIG``: the kernel sends SIGTERM
   to this process when the process that started it dies (even by SIGKILL),
   so a killed launcher leaves no orphans. A no-op elsewhere.
+- ``die_with_launcher()``: ``die_with_parent()`` for a process the launcher
+  started, called by that process itself first thing in its ``main``.
 - ``StopSignal``: turns SIGINT / SIGTERM into an event a main thread waits on.
 - ``free_port(host)``: an unused TCP port to hand to a child process.
 """
@@ -51,16 +53,34 @@ _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") el
 def die_with_parent(parent_pid: int | None = None, sig: int = signal.SIGTERM) -> None:
     """Asks the kernel to send ``sig`` to this process when its parent dies (Linux only).
 
-    Meant for ``subprocess.Popen(preexec_fn=die_with_parent)``: between fork
-    and exec it makes one libc call (libc was loaded at import, in the
-    parent). If ``parent_pid`` is given and is no longer the parent (it died
-    before the call), the child exits at once.
+    One libc call. If ``parent_pid`` is given and is no longer the parent
+    (it died before the call), this process exits at once.
     """
     if _LIBC is None:
         return
     _LIBC.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
     if parent_pid is not None and os.getppid() != parent_pid:
         os._exit(1)
+
+
+PARENT_PID_ENV = "JAXSERVE_PARENT_PID"  # set by the launcher in each child's environment
+
+
+def die_with_launcher() -> None:
+    """``die_with_parent(pid)`` when ``$JAXSERVE_PARENT_PID`` names the parent; else a no-op.
+
+    The launcher's children call this first thing in ``main`` (and remove
+    the variable, so their own children do not inherit it). The launcher
+    cannot make the call for them between fork and exec: a ``preexec_fn``
+    makes Python fork instead of vfork, and with grpcio >= 1.80 a process
+    holding gRPC channels runs gRPC's fork handlers, whose restarted poller
+    thread in the child then aborts on the epoll descriptor ``close_fds``
+    closed (grpc/grpc issue 43055): the child dies with SIGABRT before exec.
+    A launcher that dies before this call is caught by the parent-pid check.
+    """
+    parent = os.environ.pop(PARENT_PID_ENV, None)
+    if parent is not None:
+        die_with_parent(int(parent))
 
 
 class StopSignal:
