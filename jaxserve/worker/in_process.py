@@ -20,7 +20,7 @@ every host's devices; each process places only its own shards of host data
 processes agree on the KV cache size.
 
 ``submit(plan)`` dispatches a step and returns at once with a
-``PendingStep``; ``execute(plan)`` is ``submit(plan).result()``. Dispatching:
+``PendingStep`` (``jaxserve.worker.transfers``); ``execute(plan)`` is ``submit(plan).result()``. Dispatching:
 
 1. the plan's row diffs update the host mirror (``rows.RowState``); a new
    row is written to the device rows by one staged write per step
@@ -61,7 +61,6 @@ import collections
 import dataclasses
 import functools
 import logging
-import threading
 import time
 
 import jax
@@ -77,10 +76,10 @@ from jaxserve.model.kv_cache import (KVCache, init_kv_cache, is_fp8, kv_cache_by
                                       kv_cache_shapes)
 from jaxserve.model.loader import (is_scanned, kv_cache_scales, load_model, resolve_dtype,
                                    served_dtype)
-from jaxserve.step_plan import (Geometry, PromptLogprobs, StepPlan, StepResult, WorkerInit,
-                                WorkerStatus)
+from jaxserve.step_plan import Geometry, StepPlan, StepResult, WorkerInit, WorkerStatus
 from jaxserve.worker import device_state as ds
 from jaxserve.worker import model_runner as mr
+from jaxserve.worker import transfers
 from jaxserve.worker.compile_manager import (RecompileGuard, StepFunction, compile_all,
                                              BackgroundCompile,
                                              configure_persistent_cache, program_store)
@@ -93,108 +92,13 @@ from jaxserve.worker.executables import (LadderShapes, body_executable, body_nam
 from jaxserve.worker.inputs import StepLayout, pack, prompt_logprob_targets, query_input_ids
 from jaxserve.worker.kv_sizing import device_memory, num_kv_blocks, peak_activation_bytes
 from jaxserve.worker.rows import RowState
-from jaxserve.worker.sampler import (COMPILED_VARIANTS, FULL, SamplerOutput, SamplerVariant,
-                                     masked_variant)
+from jaxserve.worker.sampler import COMPILED_VARIANTS, FULL, SamplerVariant, masked_variant
 from jaxserve.worker.sampler.bitmask import ALL_ALLOWED, num_words
 
 logger = logging.getLogger(__name__)
 
 # The largest body at a 2-block KV cache, compiled only to size the cache.
 _SIZING_BODY = "kv sizing: largest body"
-
-
-class DeviceClock:
-    """When the latest step's results reached the host (``time.perf_counter``, seconds)."""
-
-    def __init__(self) -> None:
-        self.ready_at = 0.0
-
-
-class PendingStep:
-    """A dispatched step; ``result()`` waits for its tokens (once) and returns them.
-
-    Attributes:
-      step_id: the plan's step id.
-    """
-
-    def __init__(self, step_id: int, num_sampled: int, out: SamplerOutput | None,
-                 logprobs: bool, done: jax.Array, dispatched: float, host_seconds: float,
-                 clock: DeviceClock, on_done=None, prompt=None, drafts=None, proposals=None):
-        self.step_id = step_id
-        self._num_sampled, self._out, self._logprobs, self._done = num_sampled, out, logprobs, done
-        self._dispatched, self._host_seconds, self._on_done = dispatched, host_seconds, on_done
-        self._prompt = prompt  # (mr.PromptLogprobs on the device, token, index, position)
-        # (kept bool[R] on the device, each sampling row's first slot i32[rows], the
-        # callback taking its accepted drafts i32[rows]), or None without drafts
-        self._drafts = drafts
-        # (the draft model's proposals i32[R, k] on the device, each sampling row's
-        # first slot i32[rows]), or None without a draft model
-        self._proposals = proposals
-        self._clock = clock
-        self._lock = threading.Lock()
-        self._result: StepResult | None = None
-
-    def result(self) -> StepResult:
-        """The step's ``StepResult`` (blocks until the tokens are on the host)."""
-        with self._lock:
-            if self._result is None:
-                self._result = self._fetch()
-                if self._on_done is not None:
-                    self._on_done(self._result)
-            return self._result
-
-    def _fetch(self) -> StepResult:
-        s = self._num_sampled
-        extra = {}
-        if self._out is None:
-            self._done.block_until_ready()
-            result = StepResult(self.step_id, np.zeros(0, np.int32))
-        else:
-            tree = self._out if self._logprobs else self._out.token_ids
-            if self._drafts is not None:
-                extra["kept"] = self._drafts[0]
-            if self._proposals is not None:
-                extra["proposals"] = self._proposals[0]
-            out, extra = fetch((tree, extra))  # the step's one download
-            result = (StepResult(self.step_id, out[:s]) if not self._logprobs else StepResult(
-                self.step_id, out.token_ids[:s], out.logprob[:s], out.rank[:s],
-                out.top_token_ids[:s], out.top_logprobs[:s]))
-        if "kept" in extra:
-            _, starts, on_accepted = self._drafts
-            accepted = (np.add.reduceat(extra["kept"][:s].astype(np.int32), starts) - 1
-                        ).astype(np.int32)
-            on_accepted(accepted)
-            result = dataclasses.replace(result, num_accepted=accepted)
-        if "proposals" in extra:  # each row's at its first slot
-            result = dataclasses.replace(result,
-                                         draft_token_ids=extra["proposals"][self._proposals[1]])
-        if self._prompt is not None:
-            device, token, index, position = self._prompt
-            scored = fetch(device)
-            result = dataclasses.replace(result, prompt_logprobs=PromptLogprobs(
-                index, position, scored.logprob[token], scored.rank[token],
-                scored.top_token_ids[token], scored.top_logprobs[token]))
-        end = time.perf_counter()
-        # The device runs steps in dispatch order: this one started no earlier
-        # than its dispatch nor than the previous step's results (dispatch ahead).
-        device_start = max(self._dispatched, self._clock.ready_at)
-        self._clock.ready_at = end
-        return dataclasses.replace(result, device_seconds=end - device_start,
-                                   execute_seconds=self._host_seconds + end - device_start)
-
-
-def upload(tree, placement=None):
-    """An explicit host → device copy (tests count the calls: one per steady step).
-
-    ``placement``: where the arrays go (the worker's replicated sharding on a
-    mesh); None: the default device.
-    """
-    return sharding.place(tree, placement)
-
-
-def fetch(tree):
-    """The explicit device → host copy of a step's results (tests count the calls)."""
-    return jax.device_get(tree)
 
 
 class InProcessWorker:
@@ -221,8 +125,8 @@ class InProcessWorker:
         self.functions: dict[str, StepFunction] = {}  # name → compiled at start-up
         self.guard = RecompileGuard()
         self.background_compile: BackgroundCompile | None = None  # middle sampler variants
-        self._clock = DeviceClock()
-        self._verifying: PendingStep | None = None  # the last step with drafts, until read
+        self._clock = transfers.DeviceClock()
+        self._verifying: transfers.PendingStep | None = None  # the last step with drafts, until read
         self.num_proposal_steps = 0  # steps whose draft model proposed (draft_proposals[R])
         self.ready = False
 
@@ -472,7 +376,7 @@ class InProcessWorker:
         """Runs one step plan and waits for its tokens; see the module docstring."""
         return self.submit(plan).result()
 
-    def submit(self, plan: StepPlan) -> PendingStep:
+    def submit(self, plan: StepPlan) -> transfers.PendingStep:
         """Dispatches one step plan without waiting for the device.
 
         Raises:
@@ -494,7 +398,7 @@ class InProcessWorker:
         self.execute_seconds += result.execute_seconds
         self.device_seconds += result.device_seconds
 
-    def _dispatch(self, plan: StepPlan, layout: StepLayout, r: int, start: float) -> PendingStep:
+    def _dispatch(self, plan: StepPlan, layout: StepLayout, r: int, start: float) -> transfers.PendingStep:
         rows = self.rows
         if self._verifying is not None:  # its rows' lengths are known once it returns
             self._verifying.result()
@@ -505,7 +409,7 @@ class InProcessWorker:
             meta = rows.add(new)
             if rows.has_penalty[new.row]:
                 self.penalty = self._call("set_penalty_row", ds.set_penalty_row, self.penalty,
-                                          *upload((np.int32(new.row), meta.prompt_mask[0],
+                                          *transfers.upload((np.int32(new.row), meta.prompt_mask[0],
                                                    meta.output_counts[0]), self.placement))
         append_rows, append_blocks = plan.append_rows, plan.append_block_ids
         append_index = rows.append_blocks(append_rows, append_blocks)
@@ -523,10 +427,10 @@ class InProcessWorker:
             append_blocks=append_blocks)
         masked = r and plan.token_bitmask is not None
         if masked:  # structured outputs: the bitmask travels in the step's one upload
-            buffer, bitmask = upload((buffer, self._padded_bitmask(plan.token_bitmask, r)),
+            buffer, bitmask = transfers.upload((buffer, self._padded_bitmask(plan.token_bitmask, r)),
                                      self.placement)
         else:
-            buffer, bitmask = upload(buffer, self.placement), None
+            buffer, bitmask = transfers.upload(buffer, self.placement), None
         dispatched = time.perf_counter()
         self.kv_cache, block_table, hidden, sample_slots, hidden_all = self._call(
             f"body[T={layout.num_tokens}]", functools.partial(
@@ -540,7 +444,7 @@ class InProcessWorker:
         self.device_rows = dataclasses.replace(self.device_rows, block_table=block_table)
         prompt = self._prompt_logprobs(plan, layout.num_tokens, hidden_all)
         if not r:
-            return PendingStep(plan.step_id, 0, None, False, sample_slots.rows, dispatched,
+            return transfers.PendingStep(plan.step_id, 0, None, False, sample_slots.rows, dispatched,
                                dispatched - start, self._clock, self._count, prompt)
         sample_rows = np.repeat(plan.rows, slots)  # [s] each slot's row
         needed = rows.sampler_variant(sample_rows)
@@ -581,7 +485,7 @@ class InProcessWorker:
             self.num_proposal_steps += 1
         for leaf in jax.tree.leaves(out if logprobs else out.token_ids):
             leaf.copy_to_host_async()
-        pending = PendingStep(plan.step_id, len(sample_rows), out, logprobs, out.token_ids,
+        pending = transfers.PendingStep(plan.step_id, len(sample_rows), out, logprobs, out.token_ids,
                               dispatched, dispatched - start, self._clock, self._count, prompt,
                               drafts, proposals)
         self._verifying = pending if drafts is not None else None
@@ -606,7 +510,7 @@ class InProcessWorker:
         name = prompt_logprobs_name(t)
         self._wait_for(name)
         out = self._call(name, functools.partial(mr.run_prompt_logprobs, self.graphdef),
-                         self.state, hidden, upload(targets, self.placement))
+                         self.state, hidden, transfers.upload(targets, self.placement))
         for leaf in jax.tree.leaves(out):
             leaf.copy_to_host_async()
         return out, token, index, position
@@ -664,7 +568,7 @@ class InProcessWorker:
             index[:len(part)] = part
             values = ds.host_rows(self.rows, np.minimum(index, m))
             self.device_rows = self._call(f"sync_rows[R={r}]", ds.sync_rows, self.device_rows,
-                                          *upload((index, values), self.placement))
+                                          *transfers.upload((index, values), self.placement))
 
     def _call(self, name: str, jitted, *args):
         """Runs ladder executable ``name``: the ``StepFunction`` compiled at start-up, or —

@@ -17,7 +17,7 @@ import asyncio
 import json
 import types
 
-from jaxserve.api.openai.serving import OpenAIResult
+from jaxserve.api.openai.responses import OpenAIResult
 from jaxserve.api.prompts import PreparedRequest
 from jaxserve.api.tool_calling import NO_TOOLS, plan_tool_calls
 from jaxserve.api.tool_parsers import HermesToolParser

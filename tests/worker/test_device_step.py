@@ -29,7 +29,7 @@ from jaxserve.model.sharding import make_mesh
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.step_plan import NewRow, StepPlan
 from jaxserve.worker import InProcessWorker
-from jaxserve.worker import in_process
+from jaxserve.worker import transfers
 from jaxserve.worker import model_runner as mr
 from tests.model.hf_tiny import make_tiny_model
 
@@ -84,7 +84,7 @@ class _Transfers:
 
     def __init__(self, monkeypatch):
         self.uploads, self.downloads, self.upload_bytes = 0, 0, []
-        real_upload, real_fetch = in_process.upload, in_process.fetch
+        real_upload, real_fetch = transfers.upload, transfers.fetch
 
         def upload(tree, placement=None):
             self.uploads += 1
@@ -95,8 +95,8 @@ class _Transfers:
             self.downloads += 1
             return real_fetch(tree)
 
-        monkeypatch.setattr(in_process, "upload", upload)
-        monkeypatch.setattr(in_process, "fetch", fetch)
+        monkeypatch.setattr(transfers, "upload", upload)
+        monkeypatch.setattr(transfers, "fetch", fetch)
 
 
 @pytest.mark.parametrize("sampling", [
@@ -148,7 +148,7 @@ def test_an_implicit_transfer_in_the_step_is_caught(tiny, monkeypatch):
     """The guard is live: a NumPy array handed to the step is refused."""
     engine = _engine(tiny)
     _start(engine, 2)
-    monkeypatch.setattr(in_process, "upload", lambda tree, placement=None: tree)  # no copy
+    monkeypatch.setattr(transfers, "upload", lambda tree, placement=None: tree)  # no copy
     with jax.transfer_guard("disallow"), pytest.raises(Exception, match="[Dd]isallowed"):
         engine.step()
 

@@ -44,8 +44,8 @@ from starlette.types import Receive, Scope, Send
 
 from jaxserve.api.openai.protocol import (FIELD_NAMES, ChatCompletionRequest,
                                           CompletionRequest, DetokenizeRequest, TokenizeRequest)
-from jaxserve.api.openai.serving import (OpenAIResult, OpenAIServing, check_model, error_body,
-                                         http_status)
+from jaxserve.api.openai.responses import OpenAIResult, error_body, http_status
+from jaxserve.api.openai.serving import OpenAIServing, check_model
 from jaxserve.api.runner import ApiError, RequestRunner
 from jaxserve.api.tool_parsers import tool_parser as tool_parser_named
 from jaxserve.validation import check_token_ids
