@@ -31,25 +31,6 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
                                f"_device_count={NUM_TEST_DEVICES}").strip()
 
 
-# Tests sharing a package fixture: one xdist group, so one process starts it once.
-_SHARED_GROUPS = {"tests.e2e.test_http_api": "tests.e2e.http", "tests.e2e.test_http_tools": "tests.e2e.http"}
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config, items):
-    """Under ``-n N --dist loadgroup`` (pytest-xdist) a module's tests run in one process.
-
-    Each test joins its module's group (or the group of the modules that share a
-    package fixture), so a module fixture (a started server, an in-process
-    engine) is built once, not once per test process. Runs before xdist's own
-    hook, which reads the groups.
-    """
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            module = item.module.__name__ if item.module is not None else item.nodeid
-            item.add_marker(pytest.mark.xdist_group(_SHARED_GROUPS.get(module, module)))
-
-
 @pytest.fixture(scope="session")
 def demo_model_dir() -> pathlib.Path:
     """The SmolLM2-135M-Instruct HF directory (float32 safetensors, tokenizer, config)."""
