@@ -75,7 +75,7 @@ def die_with_launcher() -> None:
     makes Python fork instead of vfork, and with grpcio >= 1.80 a process
     holding gRPC channels runs gRPC's fork handlers, whose restarted poller
     thread in the child then aborts on the epoll descriptor ``close_fds``
-    closed (grpc/grpc issue 43055): the child dies with SIGABRT before exec.
+    closed: the child dies with SIGABRT before exec (an open gRPC bug).
     A launcher that dies before this call is caught by the parent-pid check.
     """
     parent = os.environ.pop(PARENT_PID_ENV, None)
