@@ -20,7 +20,6 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from jaxserve.launcher import spawn_child
-from jaxserve.procutil import PARENT_PID_ENV
 
 SPAWNS = 300  # with a preexec_fn, about 2 % of children died here (6 of 300)
 
