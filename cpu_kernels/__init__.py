@@ -61,6 +61,15 @@ MATMUL_I4_TARGET = "jaxserve_matmul_i4"
 # 32 rows 54.7 / 44.0, 64 rows 75.3 / 63.8, 128 rows 126.6 / 114.4, 256 rows
 # 233.1 / 235.7, 512 rows 442.8 / 467.2 (one run, median of 7; docs/kernels.md).
 MATMUL_MAX_ROWS = 128
+# Without AVX-512 (an AVX2-only CPU) the library is the portable fallback, which
+# wins over XLA at 1 or 2 rows only. Measured on a 2-core AVX2 AMD EPYC, one product
+# of the demo model's shapes, C++ / XLA ms (mean of 30): qkv 3072 x 576 at 1 row
+# 0.53 / 1.75, 2 rows 0.93 / 1.26, 3 rows 1.42 / 0.80, 8 rows 3.16 / 1.12, 64 rows
+# 39.3 / 3.4; LM head 49152 x 576 at 1 row 6.48 / 18.06, 2 rows 11.54 / 11.16,
+# 3 rows 18.93 / 11.61; the int8 product at 1 row 0.99 / 1.03 (the jnp form), 8 rows
+# 5.02 / 1.94. There every C++ product (float32, int8, int4) takes at most this many
+# rows, and more go to XLA.
+MATMUL_MAX_ROWS_PORTABLE = 2
 # The head dims the kernel is instantiated for (``RunItem<H>`` in the C++).
 HEAD_DIMS = (16, 32, 64, 96, 128, 256)
 # No -ffast-math: linked into a shared library it sets flush-to-zero and
@@ -123,6 +132,9 @@ def _build() -> pathlib.Path:
     return path
 
 
+_BUILD: dict[str, bool] = {}  # "avx512": what the loaded library was compiled for
+
+
 @functools.cache
 def _load() -> str | None:
     """Builds and registers the kernels once per process; None when they work, else why not."""
@@ -139,6 +151,7 @@ def _load() -> str | None:
                                     platform="cpu")
         jax.ffi.register_ffi_target(MATMUL_I4_TARGET, jax.ffi.pycapsule(lib.JaxserveMatmulI4),
                                     platform="cpu")
+        _BUILD["avx512"] = bool(lib.JaxserveMatmulAvx512())
     except (OSError, RuntimeError, AttributeError) as err:
         logger.warning("CPU kernels unavailable, using the jnp attention reference and XLA's "
                        "products: %s", err)
@@ -149,6 +162,21 @@ def _load() -> str | None:
 def available() -> bool:
     """Whether the C++ kernels are built and registered in this process."""
     return _load() is None
+
+
+def has_avx512() -> bool:
+    """Whether the loaded library has the AVX-512 forms (``-march=native`` on a CPU with
+    AVX-512F); False for the portable fallback or when the kernels are unavailable."""
+    return _load() is None and _BUILD["avx512"]
+
+
+def matmul_max_rows() -> int:
+    """The most rows of x a C++ product takes on this machine: ``MATMUL_MAX_ROWS`` for
+    float32 (int8 and int4: any count) with AVX-512, ``MATMUL_MAX_ROWS_PORTABLE`` for
+    every product without it; 0 when the kernels are unavailable."""
+    if _load() is not None:
+        return 0
+    return MATMUL_MAX_ROWS if _BUILD["avx512"] else MATMUL_MAX_ROWS_PORTABLE
 
 
 def unavailable_reason() -> str | None:

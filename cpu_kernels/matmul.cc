@@ -623,3 +623,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmulI4, MatmulI4,
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+// 1 where this build has the AVX-512 forms, 0 where it is the portable fallback. On a
+// CPU without AVX-512 (AVX2 only) the fallback's 16-lane vectors take two registers
+// each and the 24 accumulators spill: it runs at about one pass over the kernel per row
+// of x, so Python gives it at most ``MATMUL_MAX_ROWS_PORTABLE`` rows (cpu_kernels).
+extern "C" int JaxserveMatmulAvx512() {
+#ifdef __AVX512F__
+  return 1;
+#else
+  return 0;
+#endif
+}

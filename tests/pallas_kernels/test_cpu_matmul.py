@@ -79,9 +79,18 @@ def _uses_kernel(x, w, **kwargs) -> bool:
     return cpu_kernels.MATMUL_TARGET in text
 
 
+def test_the_row_cut_follows_the_builds_vector_width():
+    """-march=native: the library has the AVX-512 forms exactly where the CPU has AVX-512F
+    (/proc/cpuinfo); without them float32 products of more than 2 rows go to XLA."""
+    flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
+    assert cpu_kernels.has_avx512() == ("avx512f" in flags)
+    assert cpu_kernels.matmul_max_rows() == (
+        cpu_kernels.MATMUL_MAX_ROWS if "avx512f" in flags else cpu_kernels.MATMUL_MAX_ROWS_PORTABLE)
+
+
 def test_linear_uses_the_kernel_for_few_float32_rows_only():
     w = jnp.zeros((32, 16), jnp.float32)
-    few, many = cpu_kernels.MATMUL_MAX_ROWS, cpu_kernels.MATMUL_MAX_ROWS + 1
+    few, many = cpu_kernels.matmul_max_rows(), cpu_kernels.matmul_max_rows() + 1
     assert _uses_kernel(jnp.zeros((few, 16), jnp.float32), w)
     assert _uses_kernel(jnp.zeros((1, 16), jnp.float32), w)
     assert not _uses_kernel(jnp.zeros((many, 16), jnp.float32), w)
@@ -93,7 +102,7 @@ def test_linear_uses_the_kernel_for_few_float32_rows_only():
     assert cpu_kernels.MATMUL_TARGET not in text and "dot_general" in text
 
 
-@pytest.mark.parametrize("m", [1, 16, 64, cpu_kernels.MATMUL_MAX_ROWS,
+@pytest.mark.parametrize("m", [1, 2, 3, 16, 64, cpu_kernels.MATMUL_MAX_ROWS,
                                cpu_kernels.MATMUL_MAX_ROWS + 1])
 def test_linear_agrees_with_xla_on_either_side_of_the_threshold(m):
     x, w = _operands(m, 96, 64, seed=7)
