@@ -47,6 +47,30 @@ def demo_gguf_path(demo_model_dir: pathlib.Path) -> pathlib.Path:
     return ensure_demo_gguf()
 
 
+# The small random-weight model's shape (``small_model_dir``): the demo model's
+# vocabulary, context, GQA ratio 3 and rope base, in 2 layers of width 144 (9
+# query heads, 3 KV heads and an MLP width of 288, so tensor parallel 3 splits it,
+# one KV head a device).
+SMALL_MODEL = dict(vocab_size=49152, hidden_size=144, intermediate_size=288,
+                   num_hidden_layers=2, num_attention_heads=9, num_key_value_heads=3,
+                   max_position_embeddings=8192)
+
+
+@pytest.fixture(scope="session")
+def small_model_dir(tmp_path_factory, demo_model_dir: pathlib.Path) -> pathlib.Path:
+    """A random-weight Llama (``SMALL_MODEL``) with the demo model's tokenizer files.
+
+    For end-to-end tests whose oracle is another jaxserve path on the same
+    weights (routing, errors, lifecycle, fuzzing): a step costs a fraction of
+    the demo model's, and every token id the tokenizer makes is in the vocabulary.
+    """
+    from tests.model.hf_tiny import copy_tokenizer, make_tiny_model
+
+    directory = tmp_path_factory.mktemp("small_llama")
+    make_tiny_model("LlamaForCausalLM", directory, seed=11, **SMALL_MODEL)
+    return copy_tokenizer(demo_model_dir, directory)
+
+
 # Every XLA:CPU executable the process holds maps memory regions (a jitted
 # helper ~4, the demo model's served step ~130, an in-process LLM ~8,000), and
 # JAX's jit caches keep each one for the life of the process. Past Linux's

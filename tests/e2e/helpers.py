@@ -17,7 +17,9 @@ import pathlib
 import time
 from collections.abc import Iterator
 
-from jaxserve.client import AsyncClient, Client
+import grpc
+
+from jaxserve.client import AsyncClient, Client, JaxServeError
 from jaxserve.launcher import Launcher, ServeOptions
 from jaxserve.procutil import free_port
 
@@ -53,11 +55,21 @@ def serve(model_dir: pathlib.Path, engine_flags: tuple[str, ...] = SMALL_ENGINE,
         launcher.shutdown()
 
 
-def wait_all_blocks_free(client: Client, timeout: float = 15.0) -> tuple[int, int]:
-    """Polls GetModelInfo until every KV block is free; returns (free, total) at the end."""
+def wait_all_blocks_free(client: Client, timeout: float = 30.0) -> tuple[int, int]:
+    """Polls GetModelInfo until every KV block is free; returns (free, total) at the end.
+
+    The engine answers between steps and the api gives it 10 s: on a loaded 2-core
+    machine a step of many demo-model rows has taken longer, so UNAVAILABLE ("the
+    engine did not answer") is polled again until ``timeout`` has passed.
+    """
     deadline = time.monotonic() + timeout
     while True:
-        info = client.model_info()
+        try:
+            info = client.model_info()
+        except JaxServeError as err:
+            if err.code != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+                raise
+            continue
         if info.num_kv_blocks_free == info.num_kv_blocks_total or time.monotonic() > deadline:
             return info.num_kv_blocks_free, info.num_kv_blocks_total
         time.sleep(0.1)

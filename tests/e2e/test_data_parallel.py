@@ -1,10 +1,12 @@
-"""Data parallel serving end to end: ``--data-parallel-size 2`` on the demo model.
+"""Data parallel serving end to end: ``--data-parallel-size 2``.
 
 One server for the module: two engine + worker replicas behind one api
-process (``SMALL_ENGINE`` each).
+process (``SMALL_ENGINE`` each) on ``small_model_dir`` (a random-weight Llama
+with the demo model's tokenizer).
 
-- 64 concurrent greedy requests through the async client give the same
-  tokens as ``jaxserve.LLM`` with one replica's engine configuration; both
+- 64 concurrent greedy requests (the 8 ``PROMPTS``, 8 times each) through
+  the async client give the same tokens as ``jaxserve.LLM`` with one
+  replica's engine configuration gives each prompt; both
   replicas got requests (``jaxserve_replica_requests_total{replica}``);
   afterwards every KV block is free on both
   (``jaxserve_kv_cache_usage_perc{replica}`` is 0, and GetModelInfo, which
@@ -36,7 +38,7 @@ pytestmark = pytest.mark.slow
 
 NUM_REQUESTS = 64
 NEW_TOKENS = 8
-LONG = dict(max_tokens=200, temperature=0.0, ignore_eos=True)  # still running at the kill
+LONG = dict(max_tokens=1000, temperature=0.0, ignore_eos=True)  # still running at the kill
 SERVING_AGAIN_S = 120.0
 
 
@@ -61,8 +63,8 @@ def _wait_metric(port: int, name: str, want: dict[str, float],
 
 
 @pytest.fixture(scope="module")
-def server(demo_model_dir):
-    with serve(demo_model_dir, SMALL_ENGINE, metrics_port=free_port(),
+def server(small_model_dir):
+    with serve(small_model_dir, SMALL_ENGINE, metrics_port=free_port(),
                data_parallel_size=2) as launcher:
         yield launcher
 
@@ -75,7 +77,7 @@ def client(server):
 
 
 def test_two_replicas_share_the_work_and_match_one_replicas_greedy_tokens(
-        server, client, demo_model_dir):
+        server, client, small_model_dir):
     assert {"api", "engine-0", "engine-1", "worker-0", "worker-1"} <= set(server.processes)
     port = server.options.metrics_port
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(NUM_REQUESTS)]
@@ -90,12 +92,13 @@ def test_two_replicas_share_the_work_and_match_one_replicas_greedy_tokens(
     assert _replica_samples(port, "jaxserve_num_requests_running") == {"0": 0.0, "1": 0.0}
     free, total = wait_all_blocks_free(client)
     assert free == total == total_blocks
-    with LLM(str(demo_model_dir), max_num_seqs=4, max_num_batched_tokens=64) as llm:
-        want = [o.outputs[0].token_ids for o in llm.generate(
-            prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True),
+    with LLM(str(small_model_dir), max_num_seqs=4, max_num_batched_tokens=64) as llm:
+        want = [list(o.outputs[0].token_ids) for o in llm.generate(
+            PROMPTS, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True),
             use_tqdm=False)]
         assert total_blocks == 2 * llm.stats().kv_blocks_total  # GetModelInfo sums
-    assert [list(r.token_ids) for r in results] == [list(w) for w in want]
+    assert [list(r.token_ids) for r in results] == [want[i % len(PROMPTS)]
+                                                      for i in range(NUM_REQUESTS)]
 
 
 def test_a_failed_replica_is_routed_around_until_it_serves_again(server, client):
@@ -113,7 +116,7 @@ def test_a_failed_replica_is_routed_around_until_it_serves_again(server, client)
             pass
     assert err.value.code == grpc.StatusCode.UNAVAILABLE and "worker" in err.value.message
     deltas = list(on_0)  # replica 0 is unaffected
-    assert deltas[-1].finish_reason == "length" and deltas[-1].usage.completion_tokens == 200
+    assert deltas[-1].finish_reason == "length" and deltas[-1].usage.completion_tokens == 1000
     assert client.health() == "SERVING"
     routed = _replica_samples(port, "jaxserve_replica_requests_total")
     short = client.generate(PROMPTS[2], max_tokens=2, ignore_eos=True)

@@ -1,8 +1,9 @@
 """Fuzzing the live server: random requests end in a valid stream or an allowed status.
 
-One server for the module (worker, engine, api processes on the demo model,
-``SMALL_ENGINE``: 4 rows, 64-token steps, the model's 8192-token context;
-the HTTP API on too). Hypothesis, derandomized (the same examples on every
+One server for the module (worker, engine, api processes on
+``small_model_dir``, a random-weight Llama with the demo model's tokenizer and
+49,152-token vocabulary; ``SMALL_ENGINE``: 4 rows, 64-token steps, the model's
+8192-token context; the HTTP API on too). Hypothesis, derandomized (the same examples on every
 run, no example database), sends:
 
 - 240 ``GenerateRequest`` messages over gRPC (a third "wild", the rest in
@@ -45,7 +46,7 @@ from tests.e2e.helpers import SMALL_ENGINE, serve, wait_all_blocks_free
 
 pytestmark = pytest.mark.slow
 
-VOCAB = 49152  # the demo model's (asserted against GetModelInfo)
+VOCAB = 49152  # the demo tokenizer's (asserted against GetModelInfo)
 MAX_NUM_SEQS = 4  # SMALL_ENGINE
 ALLOWED = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNIMPLEMENTED,
            grpc.StatusCode.RESOURCE_EXHAUSTED}
@@ -55,8 +56,8 @@ FUZZ = settings(max_examples=240, deadline=None, derandomize=True, database=None
 
 
 @pytest.fixture(scope="module")
-def server(demo_model_dir):
-    with serve(demo_model_dir, SMALL_ENGINE, http_port=free_port()) as launcher:
+def server(small_model_dir):
+    with serve(small_model_dir, SMALL_ENGINE, http_port=free_port()) as launcher:
         yield launcher
 
 

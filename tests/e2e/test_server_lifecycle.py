@@ -16,8 +16,10 @@
 - ``jaxserve demo`` prints a streamed answer and exits 0, leaving nothing.
 
 Each test starts its own server (they end it), so this module costs
-several start-ups; they load the step executables from the persistent
-compilation cache shared by the test session.
+several start-ups: all but the demo command's serve ``small_model_dir`` (a
+random-weight Llama with the demo model's tokenizer), whose start-up and steps
+cost a fraction of the demo model's, and load the step executables from the
+persistent compilation cache shared by the test session.
 """
 
 from __future__ import annotations
@@ -43,10 +45,13 @@ from tests.e2e.helpers import DEMO_ENGINE, READY_TIMEOUT_S, child_pids, serve, w
 pytestmark = pytest.mark.slow
 
 LONG = dict(max_tokens=2000, ignore_eos=True, temperature=0.0)
+# Long enough that the eight drained requests (one at a time) are all in flight before
+# the first finishes, at the small model's few milliseconds a step.
+DRAINED_TOKENS = 200
 
 
-def test_worker_death_without_restarts_stops_the_server(demo_model_dir):
-    with serve(demo_model_dir, DEMO_ENGINE + ("--max-worker-restarts", "0")) as launcher:
+def test_worker_death_without_restarts_stops_the_server(small_model_dir):
+    with serve(small_model_dir, DEMO_ENGINE + ("--max-worker-restarts", "0")) as launcher:
         pids = [p.pid for p in launcher.processes.values()]
         with Client(launcher.address, timeout=60) as client:
             stream = client.stream("Tell me a long story.", **LONG)
@@ -101,12 +106,12 @@ def _in_flight(metrics_port: int) -> float:
 
 
 @pytest.mark.parametrize("everyone", [False, True], ids=["launcher", "every-process"])
-def test_sigterm_drains_running_requests(demo_model_dir, everyone):
+def test_sigterm_drains_running_requests(small_model_dir, everyone):
     """SIGTERM to the launcher, or to every process at once (systemd's KillMode=control-group)."""
     port, http_port, metrics_port = free_port(), free_port(), free_port()
     # The grace is a bound, not what is tested: on a busy machine the default 30 s has
     # not been enough for the eight requests (one at a time) to finish.
-    proc = _start_cli(demo_model_dir, "serve", "--port", str(port), "--metrics-port",
+    proc = _start_cli(small_model_dir, "serve", "--port", str(port), "--metrics-port",
                       str(metrics_port), "--http-port", str(http_port), "--shutdown-grace", "300")
     try:
         children = _wait_serving(proc, f"127.0.0.1:{port}")
@@ -115,7 +120,7 @@ def test_sigterm_drains_running_requests(demo_model_dir, everyone):
 
             def consume(i: int) -> None:
                 try:
-                    results[i] = list(client.stream(f"Count to {i}:", max_tokens=8,
+                    results[i] = list(client.stream(f"Count to {i}:", max_tokens=DRAINED_TOKENS,
                                                     ignore_eos=True, temperature=0.0))[-1]
                 except JaxServeError as err:
                     results[i] = err
@@ -150,9 +155,9 @@ def test_sigterm_drains_running_requests(demo_model_dir, everyone):
 @pytest.mark.parametrize("signals,grace", [([signal.SIGTERM], "0"),
                                            ([signal.SIGINT, signal.SIGINT], "300")],
                          ids=["SIGTERM-no-grace", "Ctrl-C-twice"])
-def test_serve_aborts_without_grace_or_on_a_second_ctrl_c(demo_model_dir, signals, grace):
+def test_serve_aborts_without_grace_or_on_a_second_ctrl_c(small_model_dir, signals, grace):
     port, metrics_port = free_port(), free_port()
-    proc = _start_cli(demo_model_dir, "serve", "--port", str(port), "--metrics-port",
+    proc = _start_cli(small_model_dir, "serve", "--port", str(port), "--metrics-port",
                       str(metrics_port), "--http-port", str(free_port()),
                       "--shutdown-grace", grace)
     try:
@@ -189,9 +194,9 @@ def test_serve_aborts_without_grace_or_on_a_second_ctrl_c(demo_model_dir, signal
             proc.wait()
 
 
-def test_killed_launcher_leaves_no_orphans(demo_model_dir):
+def test_killed_launcher_leaves_no_orphans(small_model_dir):
     port = free_port()
-    proc = _start_cli(demo_model_dir, "serve", "--port", str(port), "--metrics-port", "0",
+    proc = _start_cli(small_model_dir, "serve", "--port", str(port), "--metrics-port", "0",
                       "--no-http")
     try:
         children = _wait_serving(proc, f"127.0.0.1:{port}")

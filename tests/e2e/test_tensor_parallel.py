@@ -1,6 +1,7 @@
 """Tensor parallel serving end to end: ``jaxserve serve --tensor-parallel-size 3``.
 
-The demo model (9 query heads, 3 KV heads) split over three of the four
+``small_model_dir`` (a random-weight Llama with the demo model's tokenizer and
+head counts: 9 query heads, 3 KV heads) split over three of the four
 simulated CPU devices every test process has (tests/conftest.py; the server
 processes inherit ``XLA_FLAGS``), one KV head per device. Eight concurrent
 requests, greedy and seeded sampling, give the same tokens as
@@ -25,16 +26,16 @@ SAMPLED = dict(temperature=0.8, top_p=0.95, seed=11, max_tokens=8, ignore_eos=Tr
 
 
 @pytest.fixture(scope="module")
-def server(demo_model_dir):
-    with serve(demo_model_dir, SMALL_ENGINE + ("--tensor-parallel-size", "3")) as launcher:
+def server(small_model_dir):
+    with serve(small_model_dir, SMALL_ENGINE + ("--tensor-parallel-size", "3")) as launcher:
         yield launcher
 
 
 
-def test_tp3_server_matches_one_device(server, demo_model_dir):
+def test_tp3_server_matches_one_device(server, small_model_dir):
     greedy = generate_concurrently(server.address, PROMPTS, **GREEDY)
     sampled = generate_concurrently(server.address, PROMPTS, **SAMPLED)
-    with LLM(str(demo_model_dir), max_num_seqs=4, max_num_batched_tokens=64) as llm:
+    with LLM(str(small_model_dir), max_num_seqs=4, max_num_batched_tokens=64) as llm:
         want = [[list(o.outputs[0].token_ids) for o in llm.generate(
             PROMPTS, SamplingParams(**params), use_tqdm=False)] for params in (GREEDY, SAMPLED)]
     assert [list(r.token_ids) for r in greedy] == want[0]
