@@ -37,6 +37,7 @@ import pathlib
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 
 import jax
@@ -54,22 +55,23 @@ F8_TARGET = "jaxserve_paged_attention_f8e4m3fn"
 MATMUL_TARGET = "jaxserve_matmul_f32"
 MATMUL_I8_TARGET = "jaxserve_matmul_i8"
 MATMUL_I4_TARGET = "jaxserve_matmul_i4"
-# Products of at most this many rows run the C++ kernel; beyond, XLA's own
-# (YNNPACK), which was level at 256 rows and faster at 512. Measured on the demo
-# model's shapes, 2 cores: a 30-layer chain of its four products plus the LM head,
-# XLA / C++ kernel, 1 row 21.7 / 18.7 ms, 8 rows 42.3 / 24.7, 16 rows 46.0 / 32.1,
-# 32 rows 54.7 / 44.0, 64 rows 75.3 / 63.8, 128 rows 126.6 / 114.4, 256 rows
-# 233.1 / 235.7, 512 rows 442.8 / 467.2 (one run, median of 7; docs/kernels.md).
+# A float32 product of at most this many rows runs the C++ kernel where it is built with
+# AVX-512 (16-lane vectors); beyond, XLA's own (YNNPACK), which was level at 256 rows and
+# faster at 512. Measured on the demo model's shapes, 2 cores: a 30-layer chain of its four
+# products plus the LM head, XLA / C++ kernel, 1 row 21.7 / 18.7 ms, 8 rows 42.3 / 24.7,
+# 16 rows 46.0 / 32.1, 32 rows 54.7 / 44.0, 64 rows 75.3 / 63.8, 128 rows 126.6 / 114.4,
+# 256 rows 233.1 / 235.7, 512 rows 442.8 / 467.2 (one run, median of 7; docs/kernels.md).
+# There an int8 or int4 product takes any row count.
 MATMUL_MAX_ROWS = 128
-# Without AVX-512 (an AVX2-only CPU) the library is the portable fallback, which
-# wins over XLA at 1 or 2 rows only. Measured on a 2-core AVX2 AMD EPYC, one product
-# of the demo model's shapes, C++ / XLA ms (mean of 30): qkv 3072 x 576 at 1 row
-# 0.53 / 1.75, 2 rows 0.93 / 1.26, 3 rows 1.42 / 0.80, 8 rows 3.16 / 1.12, 64 rows
-# 39.3 / 3.4; LM head 49152 x 576 at 1 row 6.48 / 18.06, 2 rows 11.54 / 11.16,
-# 3 rows 18.93 / 11.61; the int8 product at 1 row 0.99 / 1.03 (the jnp form), 8 rows
-# 5.02 / 1.94. There every C++ product (float32, int8, int4) takes at most this many
-# rows, and more go to XLA.
-MATMUL_MAX_ROWS_PORTABLE = 2
+# Without AVX-512 (AVX2, or another ISA) the library's vectors are 8 lanes and it has the
+# dot form only (matmul.cc). Measured on a 2-core AVX2 AMD EPYC, one product of the demo
+# model's shapes, C++ / XLA ms (mean of 30), qkv 3072 x 576, down 576 x 1536, LM head
+# 49152 x 576: float32 at 8 rows 0.46 / 0.67, 0.20 / 0.56, 7.5 / 12.4; at 16 rows 1.03 /
+# 0.70, 0.52 / 0.78, 15.3 / 23.6. Against the jnp form, int8 at 32 rows 1.41 / 1.67,
+# 0.94 / 1.49, 24.9 / 68.9; at 64 rows 4.25 / 3.92, 1.49 / 1.62, 48.9 / 76.7 (int4 alike).
+# There a float32 product takes at most the first many rows, an int8 or int4 one the second.
+MATMUL_MAX_ROWS_8_LANES = 8
+MATMUL_MAX_ROWS_8_LANES_QUANTIZED = 64
 # The head dims the kernel is instantiated for (``RunItem<H>`` in the C++).
 HEAD_DIMS = (16, 32, 64, 96, 128, 256)
 # No -ffast-math: linked into a shared library it sets flush-to-zero and
@@ -132,26 +134,28 @@ def _build() -> pathlib.Path:
     return path
 
 
-_BUILD: dict[str, bool] = {}  # "avx512": what the loaded library was compiled for
+@functools.cache
+def _library() -> ctypes.CDLL:
+    """The built library, loaded once per process.
+
+    Raises:
+      RuntimeError: no compiler, or the compiler failed.
+      OSError: the library could not be loaded.
+    """
+    return ctypes.cdll.LoadLibrary(str(_build()))
 
 
 @functools.cache
 def _load() -> str | None:
     """Builds and registers the kernels once per process; None when they work, else why not."""
     try:
-        lib = ctypes.cdll.LoadLibrary(str(_build()))
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxservePagedAttentionF32),
-                                    platform="cpu")
-        jax.ffi.register_ffi_target(F8_TARGET,
-                                    jax.ffi.pycapsule(lib.JaxservePagedAttentionF8E4M3FN),
-                                    platform="cpu")
-        jax.ffi.register_ffi_target(MATMUL_TARGET, jax.ffi.pycapsule(lib.JaxserveMatmulF32),
-                                    platform="cpu")
-        jax.ffi.register_ffi_target(MATMUL_I8_TARGET, jax.ffi.pycapsule(lib.JaxserveMatmulI8),
-                                    platform="cpu")
-        jax.ffi.register_ffi_target(MATMUL_I4_TARGET, jax.ffi.pycapsule(lib.JaxserveMatmulI4),
-                                    platform="cpu")
-        _BUILD["avx512"] = bool(lib.JaxserveMatmulAvx512())
+        lib = _library()
+        for target, symbol in ((TARGET, lib.JaxservePagedAttentionF32),
+                               (F8_TARGET, lib.JaxservePagedAttentionF8E4M3FN),
+                               (MATMUL_TARGET, lib.JaxserveMatmulF32),
+                               (MATMUL_I8_TARGET, lib.JaxserveMatmulI8),
+                               (MATMUL_I4_TARGET, lib.JaxserveMatmulI4)):
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol), platform="cpu")
     except (OSError, RuntimeError, AttributeError) as err:
         logger.warning("CPU kernels unavailable, using the jnp attention reference and XLA's "
                        "products: %s", err)
@@ -164,19 +168,30 @@ def available() -> bool:
     return _load() is None
 
 
+def matmul_lanes() -> int:
+    """The float32 lanes of the matrix products' vectors: 16 where the library has the
+    AVX-512 forms (``-march=native`` on a CPU with AVX-512F), 8 otherwise (AVX2 or the
+    portable fallback); 0 when the kernels are unavailable."""
+    return int(_library().JaxserveMatmulLanes()) if _load() is None else 0
+
+
 def has_avx512() -> bool:
-    """Whether the loaded library has the AVX-512 forms (``-march=native`` on a CPU with
-    AVX-512F); False for the portable fallback or when the kernels are unavailable."""
-    return _load() is None and _BUILD["avx512"]
+    """Whether the loaded library has the AVX-512 forms (``matmul_lanes() == 16``)."""
+    return matmul_lanes() == 16
 
 
-def matmul_max_rows() -> int:
-    """The most rows of x a C++ product takes on this machine: ``MATMUL_MAX_ROWS`` for
-    float32 (int8 and int4: any count) with AVX-512, ``MATMUL_MAX_ROWS_PORTABLE`` for
-    every product without it; 0 when the kernels are unavailable."""
-    if _load() is not None:
-        return 0
-    return MATMUL_MAX_ROWS if _BUILD["avx512"] else MATMUL_MAX_ROWS_PORTABLE
+def matmul_max_rows(quantized: bool = False) -> int:
+    """The most rows of x a C++ product takes on this machine (``jaxserve.model.llama.linear``
+    sends more to XLA): with AVX-512, ``MATMUL_MAX_ROWS`` for float32 and any count
+    (``sys.maxsize``) for int8 / int4 (``quantized``); with 8 lanes
+    ``MATMUL_MAX_ROWS_8_LANES`` and ``MATMUL_MAX_ROWS_8_LANES_QUANTIZED``; 0 when the kernels
+    are unavailable."""
+    lanes = matmul_lanes()
+    if lanes == 16:
+        return sys.maxsize if quantized else MATMUL_MAX_ROWS
+    if lanes == 8:
+        return MATMUL_MAX_ROWS_8_LANES_QUANTIZED if quantized else MATMUL_MAX_ROWS_8_LANES
+    return 0
 
 
 def unavailable_reason() -> str | None:

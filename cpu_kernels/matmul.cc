@@ -3,13 +3,13 @@
 // y[M, N] = x[M, K] · w[N, K]ᵀ, the kernel stored [out, in] as the model
 // stores it (jaxserve.model.llama.linear). Three handlers share the code, a
 // template on the kernel's format (a "weights" view: F32Weights, I8Weights,
-// I4Weights below), which says how 16 consecutive elements of a row of w
-// become float32 lanes:
+// I4Weights below), which says how consecutive elements of a row of w become
+// float32 lanes (kLanes of them: 16 with AVX-512, 8 without):
 // - jaxserve_matmul_f32: w float32;
 // - jaxserve_matmul_i8: w int8 with a float32 scale per output channel,
 //   y[m, n] = (Σ_k x[m, k] · w[n, k]) · scale[n] (weight-only int8,
 //   jaxserve.model.quantization). The int8 values are widened to float32 in
-//   registers as they are loaded (16 at a time) and the scale is applied once
+//   registers as they are loaded (a vector at a time) and the scale is applied once
 //   per output, so the kernel streams a quarter of the float32 bytes and no
 //   float copy of w exists.
 // - jaxserve_matmul_i4: w int4, packed two per byte in llama.cpp Q4_0 / Q4_1's
@@ -17,7 +17,7 @@
 //   nibble, input j + 16 in the high one), with a float32 step and offset per
 //   group of G inputs (a power of two >= 32) and output channel:
 //   w[n, k] = q · scale[n, k / G, 0] + scale[n, k / G, 1]
-//   (jaxserve.model.quantization). Each 16 values are widened and scaled in
+//   (jaxserve.model.quantization). Each vector's values are widened and scaled in
 //   registers (one multiply-add), so the kernel streams 6/32 of the float32
 //   bytes (step and offset included).
 // Made for the 1..128 rows of a decode
@@ -27,9 +27,10 @@
 // place, with no packed copy of it:
 //
 // - Fewer than kOuterMinRows rows, the dot form: each output is a dot product
-//   along K, 16 lanes at a time. A register block of kRowBlock rows of x times
+//   along K, kLanes lanes at a time. A register block of kRowBlock rows of x times
 //   kColBlock rows of w keeps kRowBlock·kColBlock vector accumulators (24 of the
-//   32 AVX-512 registers) and reduces each across its lanes once at the end. A
+//   32 AVX-512 registers; 8 of AVX2's 16) and reduces each across its lanes once
+//   at the end. A
 //   block of w (kColBlock rows) is read from memory once and reused from L1
 //   for every row block of x. While one block is used, the next one is
 //   prefetched into L2, spread evenly over the block's multiply-adds, so that
@@ -37,9 +38,12 @@
 // - From kOuterMinRows rows, the outer-product form (below): x is transposed
 //   so that 16 rows are one vector, and each multiply-add takes a broadcast
 //   element of w (int4: of a float32 copy of the chunk of w in use, see there).
+//   AVX-512 only: its 16-row vectors would take two AVX2 registers each and
+//   spill, so without AVX-512 the dot form takes every row count.
 //
-// Without AVX-512 the same code is compiled from GCC's generic vector
-// extensions (the portable fallback).
+// Without AVX-512 the dot form is compiled for 8-lane vectors: AVX2's
+// intrinsics where the CPU has AVX2, else GCC's generic vector extensions (the
+// portable fallback).
 //
 // Work items run on XLA's intra-op thread pool (parallel.h). The sums run in
 // another order than XLA's, so results agree with XLA's product to float32
@@ -51,7 +55,7 @@
 #include <cstdlib>
 #include <memory>
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -62,33 +66,65 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+// The dot form's vectors: kLanes float32 lanes, a whole register (AVX-512: 16 lanes, 32
+// registers; AVX2 or the portable fallback: 8 lanes, 16 registers). Its register block is
+// kRowBlock rows of x times kColBlock rows of w, sized to the register file: 4 × 6 = 24
+// accumulators beside 6 vectors of w and one of x (AVX-512); 2 × 4 = 8 beside 4 and 1
+// (AVX2: 13 of 16, so that the widening loads of int8 and int4 do not spill).
+#ifdef __AVX512F__
+constexpr int kLanes = 16;
 constexpr int kRowBlock = 4;  // rows of x per register block
 constexpr int kColBlock = 6;  // rows of w (output columns) per register block
+#else
+constexpr int kLanes = 8;
+constexpr int kRowBlock = 2;
+constexpr int kColBlock = 4;
+#endif
 constexpr int64_t kColsPerItem = 8 * kColBlock;
 constexpr int64_t kRowsPerItem = 64;  // x's rows per item: 64 · K floats stay in L2
 constexpr int64_t kLine = 64;         // bytes per cache line
 
+typedef float VF __attribute__((vector_size(4 * kLanes), aligned(4 * kLanes)));
+typedef float VFu __attribute__((vector_size(4 * kLanes), aligned(4), may_alias));
+typedef int32_t VI __attribute__((vector_size(4 * kLanes), aligned(4 * kLanes)));
+typedef int8_t I8xLu __attribute__((vector_size(kLanes), aligned(1), may_alias));
+typedef uint8_t U8xLu __attribute__((vector_size(kLanes), aligned(1), may_alias));
+// The outer-product form's vectors: 16 rows of x (two registers each without AVX-512).
 typedef float V16 __attribute__((vector_size(64), aligned(64)));
 typedef int32_t I16 __attribute__((vector_size(64), aligned(64)));
 typedef float V16u __attribute__((vector_size(64), aligned(4), may_alias));
-typedef int8_t I8x16u __attribute__((vector_size(16), aligned(1), may_alias));
-
 typedef uint8_t U8x16u __attribute__((vector_size(16), aligned(1), may_alias));
 
-// 16 consecutive kernel elements as float32 lanes (int8 widened in registers).
-inline V16 Load16(const float* p) { return *reinterpret_cast<const V16u*>(p); }
-inline V16 Load16(const int8_t* p) {
-#ifdef __AVX512F__
-  // vpmovsxbd + vcvtdq2ps: GCC 12 scalarizes __builtin_convertvector of 16 int8 to
+// kLanes consecutive kernel elements as float32 lanes (int8 widened in registers).
+inline VF LoadV(const float* p) { return *reinterpret_cast<const VFu*>(p); }
+inline VF LoadV(const int8_t* p) {
+#if defined(__AVX512F__)
+  // vpmovsxbd + vcvtdq2ps: GCC 12 scalarizes __builtin_convertvector of int8 to
   // float (a movsbl + vcvtsi2ss per lane: 4.4x slower products at 1 row, measured).
-  return reinterpret_cast<V16>(_mm512_cvtepi32_ps(
+  return reinterpret_cast<VF>(_mm512_cvtepi32_ps(
       _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
+#elif defined(__AVX2__)
+  return reinterpret_cast<VF>(_mm256_cvtepi32_ps(
+      _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
 #else
-  return __builtin_convertvector(*reinterpret_cast<const I8x16u*>(p), V16);
+  return __builtin_convertvector(*reinterpret_cast<const I8xLu*>(p), VF);
 #endif
 }
 
-// 16 bytes' low (high = false) or high nibbles as int32 lanes, 0..15.
+// kLanes bytes as int32 lanes, 0..255.
+inline VI WidenBytes(const uint8_t* p) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<VI>(
+      _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#elif defined(__AVX2__)
+  return reinterpret_cast<VI>(
+      _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#else
+  return __builtin_convertvector(*reinterpret_cast<const U8xLu*>(p), VI);
+#endif
+}
+
+// 16 bytes' low (high = false) or high nibbles as int32 lanes, 0..15 (the outer form).
 inline I16 Nibbles16(const uint8_t* p, bool high) {
 #ifdef __AVX512F__
   __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -100,20 +136,20 @@ inline I16 Nibbles16(const uint8_t* p, bool high) {
 #endif
 }
 
-// The kernel formats. Each view reads w[n, k] of a kernel [N, K]: Load16(n, k) the
-// 16 elements from k (k a multiple of 16 below K & ~15) as float32 lanes, At(n, k)
+// The kernel formats. Each view reads w[n, k] of a kernel [N, K]: Load(n, k) the kLanes
+// elements from k (a multiple of kLanes below K & ~(kLanes - 1)) as float32 lanes, At(n, k)
 // one element, Out(sum, n) the finished output (the per-channel scale, if any),
 // Bytes(n) where row n starts and RowBytes() its size (for prefetching). A view with
-// kPairs (int4) also has Load32(n, k, lo, hi): the 32 elements from k (a multiple of
-// 32; K is one too) in two vectors, from one load — the dot form then steps 32 at a
-// time.
+// kPairs (int4) also has Load32(n, k, v): the 32 elements from k (a multiple of 32; K is
+// one too) as 32 / kLanes vectors, from one 16-byte load — the dot form then steps 32 at
+// a time. A view with kCopyChunks has Load16(n, k): 16 elements for the outer form.
 struct F32Weights {
   const float* w;
   int64_t K;
   static constexpr bool kPairs = false;
   // Whether the outer-product form reads a float32 copy of each chunk (below).
   static constexpr bool kCopyChunks = false;
-  V16 Load16(int64_t n, int64_t k) const { return ::Load16(w + n * K + k); }
+  VF Load(int64_t n, int64_t k) const { return LoadV(w + n * K + k); }
   float At(int64_t n, int64_t k) const { return w[n * K + k]; }
   float Out(float s, int64_t) const { return s; }
   const char* Bytes(int64_t n) const { return reinterpret_cast<const char*>(w + n * K); }
@@ -126,7 +162,7 @@ struct I8Weights {
   int64_t K;
   static constexpr bool kPairs = false;
   static constexpr bool kCopyChunks = false;
-  V16 Load16(int64_t n, int64_t k) const { return ::Load16(w + n * K + k); }
+  VF Load(int64_t n, int64_t k) const { return LoadV(w + n * K + k); }
   float At(int64_t n, int64_t k) const { return static_cast<float>(w[n * K + k]); }
   float Out(float s, int64_t n) const { return s * scale[n]; }
   const char* Bytes(int64_t n) const { return reinterpret_cast<const char*>(w + n * K); }
@@ -151,21 +187,17 @@ struct I4Weights {
     return __builtin_convertvector(q, V16) * g[0] + g[1];  // one multiply-add
   }
   // One 16-byte load: the low nibbles are elements k..k+15, the high ones k+16..k+31.
-  void Load32(int64_t n, int64_t k, V16& lo, V16& hi) const {
+  // Each vector is widened and scaled in one multiply-add.
+  void Load32(int64_t n, int64_t k, VF (&v)[32 / kLanes]) const {
     const uint8_t* p = w + (n * K + k) / 2;
     const float* g = Group(n, k);
-#ifdef __AVX512F__
-    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    const __m512 step = _mm512_set1_ps(g[0]), offset = _mm512_set1_ps(g[1]);
-    lo = reinterpret_cast<V16>(_mm512_fmadd_ps(
-        _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15))), step, offset));
-    hi = reinterpret_cast<V16>(
-        _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), step, offset));
-#else
-    const I16 b = __builtin_convertvector(*reinterpret_cast<const U8x16u*>(p), I16);
-    lo = __builtin_convertvector(b & 15, V16) * g[0] + g[1];
-    hi = __builtin_convertvector(b >> 4, V16) * g[0] + g[1];
-#endif
+    const VF step = VF{} + g[0], offset = VF{} + g[1];
+#pragma GCC unroll 4
+    for (int h = 0; h < 16 / kLanes; ++h) {  // bytes [h·kLanes, (h + 1)·kLanes)
+      const VI b = WidenBytes(p + h * kLanes);
+      v[h] = __builtin_convertvector(b & 15, VF) * step + offset;
+      v[h + 16 / kLanes] = __builtin_convertvector(b >> 4, VF) * step + offset;
+    }
   }
   float At(int64_t n, int64_t k) const {
     const uint8_t b = w[(n * K + (k & ~int64_t{31})) / 2 + (k & 15)];
@@ -177,12 +209,15 @@ struct I4Weights {
   int64_t RowBytes() const { return K / 2; }
 };
 
-inline float LaneSum(V16 v) {
-  const I16 h8 = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};
-  const I16 h4 = {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11};
-  const I16 h2 = {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13};
-  const I16 h1 = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
-  for (const I16& perm : {h8, h4, h2, h1}) v += __builtin_shuffle(v, perm);
+// The sum of v's lanes, by halving: lane l adds lane l ^ h for h = kLanes / 2, ..., 1.
+inline float LaneSum(VF v) {
+#pragma GCC unroll 8
+  for (int h = kLanes / 2; h > 0; h /= 2) {
+    VI perm;
+#pragma GCC unroll 16
+    for (int l = 0; l < kLanes; ++l) perm[l] = l ^ h;
+    v += __builtin_shuffle(v, perm);
+  }
   return v[0];
 }
 
@@ -211,48 +246,60 @@ void ForEachItemClaimingAhead(std::atomic<int64_t>& counter, int64_t num_items, 
 template <int MB, typename W>
 inline void Block(const float* x, const W& w, int64_t n, float* y, int64_t K, int64_t N,
                   Prefetch& pf) {
-  V16 acc[MB][kColBlock] = {};
+  VF acc[MB][kColBlock] = {};
   if constexpr (W::kPairs) {  // K is a multiple of 32
+    constexpr int kVecs = 32 / kLanes;
     for (int64_t k = 0; k < K; k += 32) {
-      for (int64_t l = 0; l < 2 * pf.lines_per_step && pf.next < pf.end; ++l, pf.next += kLine)
+      for (int64_t l = 0; l < kVecs * pf.lines_per_step && pf.next < pf.end;
+           ++l, pf.next += kLine)
         __builtin_prefetch(pf.next, 0, 1);  // locality 1: into L2
-      // Column by column (two vectors of w each), x read from L1: 24 accumulators, 2
-      // columns' vectors and x's fit the 32 registers.
+      // Column by column (32 / kLanes vectors of w each), x read from L1: the
+      // accumulators, a column's vectors and x's fit the registers.
 #pragma GCC unroll 16
       for (int j = 0; j < kColBlock; ++j) {
-        V16 lo, hi;
-        w.Load32(n + j, k, lo, hi);
+        VF wv[kVecs];
+        w.Load32(n + j, k, wv);
 #pragma GCC unroll 16
-        for (int i = 0; i < MB; ++i) {
-          acc[i][j] += *reinterpret_cast<const V16u*>(x + i * K + k) * lo;
-          acc[i][j] += *reinterpret_cast<const V16u*>(x + i * K + k + 16) * hi;
-        }
+        for (int i = 0; i < MB; ++i)
+#pragma GCC unroll 4
+          for (int v = 0; v < kVecs; ++v)
+            acc[i][j] += *reinterpret_cast<const VFu*>(x + i * K + k + v * kLanes) * wv[v];
       }
     }
     for (int i = 0; i < MB; ++i)
       for (int j = 0; j < kColBlock; ++j) y[i * N + j] = w.Out(LaneSum(acc[i][j]), n + j);
-    return;
-  }
-  const int64_t k16 = K & ~int64_t{15};
-  for (int64_t k = 0; k < k16; k += 16) {
-    for (int64_t l = 0; l < pf.lines_per_step && pf.next < pf.end; ++l, pf.next += kLine)
-      __builtin_prefetch(pf.next, 0, 1);  // locality 1: into L2
-    V16 wv[kColBlock];
+  } else {
+    const int64_t kv = K & ~int64_t{kLanes - 1};
+    for (int64_t k = 0; k < kv; k += kLanes) {
+      for (int64_t l = 0; l < pf.lines_per_step && pf.next < pf.end; ++l, pf.next += kLine)
+        __builtin_prefetch(pf.next, 0, 1);  // locality 1: into L2
+      VF wv[kColBlock];
 #pragma GCC unroll 16
-    for (int j = 0; j < kColBlock; ++j) wv[j] = w.Load16(n + j, k);
+      for (int j = 0; j < kColBlock; ++j) wv[j] = w.Load(n + j, k);
 #pragma GCC unroll 16
-    for (int i = 0; i < MB; ++i) {
-      const V16 xv = *reinterpret_cast<const V16u*>(x + i * K + k);
+      for (int i = 0; i < MB; ++i) {
+        const VF xv = LoadV(x + i * K + k);
 #pragma GCC unroll 16
-      for (int j = 0; j < kColBlock; ++j) acc[i][j] += xv * wv[j];
+        for (int j = 0; j < kColBlock; ++j) acc[i][j] += xv * wv[j];
+      }
     }
+    for (int i = 0; i < MB; ++i)
+      for (int j = 0; j < kColBlock; ++j) {
+        float s = LaneSum(acc[i][j]);
+        for (int64_t k = kv; k < K; ++k) s += x[i * K + k] * w.At(n + j, k);
+        y[i * N + j] = w.Out(s, n + j);
+      }
   }
-  for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < kColBlock; ++j) {
-      float s = LaneSum(acc[i][j]);
-      for (int64_t k = k16; k < K; ++k) s += x[i * K + k] * w.At(n + j, k);
-      y[i * N + j] = w.Out(s, n + j);
-    }
+}
+
+// Block<rows> for 0 < rows <= MB (the rows past the last whole register block).
+template <int MB, typename W>
+inline void TailBlock(int64_t rows, const float* x, const W& w, int64_t n, float* y, int64_t K,
+                      int64_t N, Prefetch& pf) {
+  if constexpr (MB > 0) {
+    if (rows == MB) return Block<MB>(x, w, n, y, K, N, pf);
+    TailBlock<MB - 1>(rows, x, w, n, y, K, N, pf);
+  }
 }
 
 // Block over `rows` rows of x (from x) and the columns n.. of w, into y.
@@ -262,12 +309,7 @@ inline void RowBlocks(const float* x, const W& w, int64_t n, float* y, int64_t r
   int64_t m = 0;
   for (; m + kRowBlock <= rows; m += kRowBlock, x += kRowBlock * K, y += kRowBlock * N)
     Block<kRowBlock>(x, w, n, y, K, N, pf);
-  switch (rows - m) {
-    case 3: Block<3>(x, w, n, y, K, N, pf); break;
-    case 2: Block<2>(x, w, n, y, K, N, pf); break;
-    case 1: Block<1>(x, w, n, y, K, N, pf); break;
-    default: break;
-  }
+  TailBlock<kRowBlock - 1>(rows - m, x, w, n, y, K, N, pf);
 }
 
 template <typename W>
@@ -286,7 +328,7 @@ void RunItem(const Problem<W>& p, int64_t item, const char* after) {
   const int64_t m0 = item / p.col_items * kRowsPerItem, m1 = std::min(p.M, m0 + kRowsPerItem);
   const int64_t n0 = item % p.col_items * kColsPerItem, n1 = std::min(p.N, n0 + kColsPerItem);
   const int64_t block_bytes = kColBlock * p.w.RowBytes();
-  const int64_t steps = (m1 - m0 + kRowBlock - 1) / kRowBlock * std::max<int64_t>(p.K / 16, 1);
+  const int64_t steps = (m1 - m0 + kRowBlock - 1) / kRowBlock * std::max<int64_t>(p.K / kLanes, 1);
   const int64_t lines_per_step = ((block_bytes + kLine - 1) / kLine + steps - 1) / steps;
   const char* w_end = p.w.Bytes(p.N);
   int64_t n = n0;
@@ -529,8 +571,10 @@ ffi::Error MatmulOuter(ffi::ThreadPool& pool, const float* x, const W& w, float*
 template <typename W>
 ffi::Error MatmulImpl(ffi::ThreadPool& pool, const float* x, const W& w, float* y, int64_t M,
                       int64_t N, int64_t K) {
-  // The outer form's gathers take 32-bit offsets (row · K within 16 rows).
-  if (M >= kOuterMinRows && K > 0 && N > 0 && K <= INT32_MAX / 16)
+  // The outer form's gathers take 32-bit offsets (row · K within 16 rows). Its vectors
+  // are 16 lanes: without AVX-512 they spill (64 rows of the demo model's qkv product:
+  // 39 ms, XLA 3.4 ms), and the dot form takes every row count.
+  if (kLanes == 16 && M >= kOuterMinRows && K > 0 && N > 0 && K <= INT32_MAX / 16)
     return MatmulOuter<W>(pool, x, w, y, M, N, K);
   struct Shared {
     Problem<W> p;
@@ -624,14 +668,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmulI4, MatmulI4,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
-// 1 where this build has the AVX-512 forms, 0 where it is the portable fallback. On a
-// CPU without AVX-512 (AVX2 only) the fallback's 16-lane vectors take two registers
-// each and the 24 accumulators spill: it runs at about one pass over the kernel per row
-// of x, so Python gives it at most ``MATMUL_MAX_ROWS_PORTABLE`` rows (cpu_kernels).
-extern "C" int JaxserveMatmulAvx512() {
-#ifdef __AVX512F__
-  return 1;
-#else
-  return 0;
-#endif
-}
+// The dot form's float32 lanes per vector: 16 where the build has the AVX-512 forms
+// (the outer-product form too), 8 otherwise (AVX2 or the portable fallback, the dot form
+// only). Python sizes the row counts it sends here by it (cpu_kernels.matmul_max_rows).
+extern "C" int JaxserveMatmulLanes() { return kLanes; }

@@ -101,8 +101,7 @@ def _quantized_linear(x: jax.Array, q: jax.Array, scale: jax.Array,
     kernel, reference = _QUANTIZED_PRODUCTS[quant.method_of(q)]
     if (tensor_parallel or x.dtype != jnp.float32 or jax.default_backend() != "cpu"
             or not cpu_kernels.available()
-            or (not cpu_kernels.has_avx512()
-                and math.prod(x.shape[:-1]) > cpu_kernels.matmul_max_rows())):
+            or math.prod(x.shape[:-1]) > cpu_kernels.matmul_max_rows(quantized=True)):
         return reference(x, q, scale)
     return jax.lax.platform_dependent(x, q, scale, cpu=kernel, default=reference)
 
@@ -117,14 +116,14 @@ def linear(x: jax.Array, kernel: jax.Array, scale: jax.Array | None = None, *,
     f32[out, in / G, 2], the product with the dequantized kernel. On the CPU, for float32
     x at any row count, the C++ kernel (``cpu_kernels.matmul_i8`` / ``matmul_i4``,
     the integers widened in registers; without AVX-512 only up to
-    ``cpu_kernels.matmul_max_rows()`` rows); otherwise (a GPU lowering, a tensor-parallel
-    split, another dtype, more rows) its jnp form (``matmul_i8_reference`` /
+    ``cpu_kernels.matmul_max_rows(quantized=True)`` rows, 64); otherwise (a GPU lowering,
+    a tensor-parallel split, another dtype, more rows) its jnp form (``matmul_i8_reference`` /
     ``matmul_i4_reference``).
     An fp8 kernel f8e4m3[out, in] with scale f32[out] quantizes x per token and runs
     XLA's fp8 dot everywhere (``quantization.matmul_fp8``).
 
     On the CPU, a float32 product of at most ``cpu_kernels.matmul_max_rows()``
-    rows (128 with AVX-512, 2 without) runs the C++ kernel (``cpu_kernels.matmul``)
+    rows (128 with AVX-512, 8 without) runs the C++ kernel (``cpu_kernels.matmul``)
     where it builds: it reads
     the kernel in place, where XLA's CPU product of 2 to 32 rows runs far below
     memory speed and repacks the kernel for every product of more. Everything

@@ -18,6 +18,8 @@ Two checks with different references:
   the measured teacher-forced argmax agreement and mean log-likelihood change.
 """
 
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -198,11 +200,14 @@ def _lowered(x, q, scale, **kwargs):
      cpu_kernels.MATMUL_I4_TARGET),
 ], ids=["int8", "int4"])
 def test_quantized_linear_uses_the_kernel_at_every_row_count_on_the_cpu_only(q, scale, target):
-    """With AVX-512 at every row count; the portable build (AVX2) up to its row cut."""
-    for rows in (1, 2, 7, cpu_kernels.MATMUL_MAX_ROWS + 1, 512):
+    """With AVX-512 at every row count; with 8-lane vectors (AVX2) up to its row cut."""
+    cut = cpu_kernels.matmul_max_rows(quantized=True)
+    assert cut == (sys.maxsize if cpu_kernels.has_avx512()
+                   else cpu_kernels.MATMUL_MAX_ROWS_8_LANES_QUANTIZED)
+    for rows in (1, 2, 7, cpu_kernels.MATMUL_MAX_ROWS_8_LANES_QUANTIZED,
+                 cpu_kernels.MATMUL_MAX_ROWS_8_LANES_QUANTIZED + 1, 512):
         text = _lowered(jnp.zeros((rows, 64), jnp.float32), q, scale)
-        kernel = cpu_kernels.has_avx512() or rows <= cpu_kernels.matmul_max_rows()
-        assert (target in text) == kernel, rows
+        assert (target in text) == (rows <= cut), rows
     # a tensor-parallel split keeps the jnp form (XLA partitions it)
     text = _lowered(jnp.zeros((4, 64), jnp.float32), q, scale, tensor_parallel=True)
     assert target not in text

@@ -1,11 +1,12 @@
 """The C++ matrix product of few rows (``cpu_kernels.matmul``) against float64 and XLA's product,
 and where ``jaxserve.model.llama.linear`` uses it.
 
-Shapes cover both forms of the kernel (the dot form below 32 rows, the outer-product
-form from 32), their register blocks (4 rows × 6 columns; 64 rows × 6 columns), work
-items (48 columns; 24 columns of one row block), K chunks (128) and row blocks (up to
-64 rows, balanced: 80 rows are 48 + 32), and every tail: rows, columns and K that are
-not multiples of them.
+Shapes cover both forms of the kernel (with AVX-512 the dot form below 32 rows, the
+outer-product form from 32; with 8-lane vectors the dot form at every count), their
+register blocks (16 lanes: 4 rows × 6 columns, 64 rows × 6 columns; 8 lanes: 2 rows × 4
+columns), work items (48 or 32 columns; 24 columns of one row block), K chunks (128) and
+row blocks (up to 64 rows, balanced: 80 rows are 48 + 32), and every tail: rows, columns
+and K that are not multiples of them (K: of 16 or 8 lanes).
 """
 
 import jax
@@ -80,12 +81,14 @@ def _uses_kernel(x, w, **kwargs) -> bool:
 
 
 def test_the_row_cut_follows_the_builds_vector_width():
-    """-march=native: the library has the AVX-512 forms exactly where the CPU has AVX-512F
-    (/proc/cpuinfo); without them float32 products of more than 2 rows go to XLA."""
+    """-march=native: the library has the AVX-512 forms (16 lanes) exactly where the CPU has
+    AVX-512F (/proc/cpuinfo); without them (8 lanes) float32 products of more than 8 rows
+    and quantized ones of more than 64 go to XLA."""
     flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
     assert cpu_kernels.has_avx512() == ("avx512f" in flags)
+    assert cpu_kernels.matmul_lanes() == (16 if "avx512f" in flags else 8)
     assert cpu_kernels.matmul_max_rows() == (
-        cpu_kernels.MATMUL_MAX_ROWS if "avx512f" in flags else cpu_kernels.MATMUL_MAX_ROWS_PORTABLE)
+        cpu_kernels.MATMUL_MAX_ROWS if "avx512f" in flags else cpu_kernels.MATMUL_MAX_ROWS_8_LANES)
 
 
 def test_linear_uses_the_kernel_for_few_float32_rows_only():
