@@ -156,6 +156,9 @@ def _load() -> str | None:
                                (MATMUL_I8_TARGET, lib.JaxserveMatmulI8),
                                (MATMUL_I4_TARGET, lib.JaxserveMatmulI4)):
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol), platform="cpu")
+        if lib.JaxserveMatmulLanes() not in (8, 16):
+            raise RuntimeError(f"the library's vectors have {lib.JaxserveMatmulLanes()} lanes, "
+                               "not 8 or 16")
     except (OSError, RuntimeError, AttributeError) as err:
         logger.warning("CPU kernels unavailable, using the jnp attention reference and XLA's "
                        "products: %s", err)
@@ -168,6 +171,7 @@ def available() -> bool:
     return _load() is None
 
 
+@functools.cache
 def matmul_lanes() -> int:
     """The float32 lanes of the matrix products' vectors: 16 where the library has the
     AVX-512 forms (``-march=native`` on a CPU with AVX-512F), 8 otherwise (AVX2 or the
@@ -306,8 +310,8 @@ def matmul_i8_reference(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Arr
 def matmul_i4(x: jax.Array, packed: jax.Array, scale: jax.Array) -> jax.Array:
     """x f32[..., K] times a packed int4 kernel (packed u8[N, K / 2], scale f32[N, K / G, 2])
     → f32[..., N], by the C++ kernel: ``x @ w.T`` with
-    ``w[n, k] = q[n, k] · scale[n, k / G, 0] + scale[n, k / G, 1]`` (step, offset), each 16
-    int4 values widened and scaled in float32 registers.
+    ``w[n, k] = q[n, k] · scale[n, k / G, 0] + scale[n, k / G, 1]`` (step, offset), each vector
+    of int4 values (16 or 8: ``matmul_lanes()``) widened and scaled in float32 registers.
 
     The layout is ``jaxserve.model.quantization``'s int4 (llama.cpp Q4_0 / Q4_1's
     nibble order); G, the group size, is K / scale.shape[1]. The product

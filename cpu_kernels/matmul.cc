@@ -221,7 +221,7 @@ inline float LaneSum(VF v) {
   return v[0];
 }
 
-// The next block's bytes still to prefetch, and how many lines per step of 16 K.
+// The next block's bytes still to prefetch, and how many lines per step of kLanes along K.
 struct Prefetch {
   const char* next;
   const char* end;

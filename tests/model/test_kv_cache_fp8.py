@@ -41,6 +41,29 @@ def test_quantize_kv_scales_rounds_and_clips():
     assert quantize_kv(x, jnp.bfloat16, None).dtype == jnp.bfloat16
 
 
+def test_fp8_write_never_widens_the_cache():
+    """XLA's CPU backend has no fp8 update: a plain scatter into an fp8 cache compiles to
+    a float copy of the whole cache and back. write_kv scatters its bytes on the CPU, and
+    the plain scatter elsewhere (lowered for a GPU: no bitcast)."""
+    shape = (64, 2, 16, 32)
+    cache = jnp.zeros(shape, FP8_DTYPE)
+    k = jnp.full((3, 2, 32), 1.5, jnp.float32)
+    slots = jnp.array([0, 17, 5000], jnp.int32)  # the last one past the cache: dropped
+    one = jnp.float32(1.0)
+    write = jax.jit(lambda c, k, s: kv_cache.write_kv(c, c, k, k, s, one, one)[0])
+    text = write.lower(cache, k, slots).compile().as_text()
+    dims = ",".join(map(str, shape))
+    assert not [line for line in text.splitlines()
+                if any(f"{t}[{dims}]" in line for t in ("f16", "bf16", "f32"))]
+    out = np.asarray(write(cache, k, slots).astype(jnp.float32))
+    np.testing.assert_array_equal(out[0, :, 0], 1.5)
+    np.testing.assert_array_equal(out[1, :, 1], 1.5)
+    assert np.count_nonzero(out) == 2 * 2 * 32
+    gpu = jax.jit(lambda c, k, s: kv_cache.write_kv(c, c, k, k, s, one, one)[0]).trace(
+        cache, k, slots).lower(lowering_platforms=("cuda",)).as_text()
+    assert "bitcast_convert" not in gpu
+
+
 def test_init_kv_cache_fp8_scales(tiny_config):
     cache = init_kv_cache(tiny_config, 4, 16, FP8_DTYPE)
     assert cache.k[0].dtype == FP8_DTYPE and len(cache.k) == tiny_config.num_layers
