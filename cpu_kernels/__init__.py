@@ -16,7 +16,10 @@ product of an int8 kernel on the CPU, at any row count, and instantiated for
 packed int4 kernels with a float32 step and offset per group of inputs
 (``matmul_i4``, group-wise int4) every product of an int4 kernel.
 
-Both are compiled into one library once per machine with the system C++ compiler (``$CXX``,
+``kv_write.cc`` writes one layer's keys or values into an fp8 cache in place
+(``write_kv_bytes``; XLA's CPU backend has no fp8 update, ``jaxserve.model.kv_cache``).
+
+All are compiled into one library once per machine with the system C++ compiler (``$CXX``,
 else ``g++``), ``-O3 -march=native``, against the XLA FFI headers that ship with
 jaxlib (``jax.ffi.include_dir()``), into ``$JAXSERVE_KERNEL_CACHE`` (default
 ``$JAXSERVE_CACHE/kernels``, itself by default ``~/.cache/jaxserve/kernels``), keyed by a hash of the source, the compiler
@@ -47,7 +50,7 @@ import numpy as np
 logger = logging.getLogger(__name__)
 
 SOURCES = tuple(pathlib.Path(__file__).with_name(name)
-                for name in ("paged_attention.cc", "matmul.cc"))
+                for name in ("paged_attention.cc", "matmul.cc", "kv_write.cc"))
 # Included by the sources; part of the build's cache key.
 HEADERS = (pathlib.Path(__file__).with_name("parallel.h"),)
 TARGET = "jaxserve_paged_attention_f32"
@@ -55,6 +58,7 @@ F8_TARGET = "jaxserve_paged_attention_f8e4m3fn"
 MATMUL_TARGET = "jaxserve_matmul_f32"
 MATMUL_I8_TARGET = "jaxserve_matmul_i8"
 MATMUL_I4_TARGET = "jaxserve_matmul_i4"
+KV_WRITE_BYTES_TARGET = "jaxserve_kv_write_bytes"
 # A float32 product of at most this many rows runs the C++ kernel where it is built with
 # AVX-512 (16-lane vectors); beyond, XLA's own (YNNPACK), which was level at 256 rows and
 # faster at 512. Measured on the demo model's shapes, 2 cores: a 30-layer chain of its four
@@ -154,7 +158,8 @@ def _load() -> str | None:
                                (F8_TARGET, lib.JaxservePagedAttentionF8E4M3FN),
                                (MATMUL_TARGET, lib.JaxserveMatmulF32),
                                (MATMUL_I8_TARGET, lib.JaxserveMatmulI8),
-                               (MATMUL_I4_TARGET, lib.JaxserveMatmulI4)):
+                               (MATMUL_I4_TARGET, lib.JaxserveMatmulI4),
+                               (KV_WRITE_BYTES_TARGET, lib.JaxserveKvWriteBytes)):
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol), platform="cpu")
         if lib.JaxserveMatmulLanes() not in (8, 16):
             raise RuntimeError(f"the library's vectors have {lib.JaxserveMatmulLanes()} lanes, "
@@ -246,6 +251,35 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
         sm_scale=np.float32(sm_scale), sliding_window=np.int64(sliding_window or 0),
         soft_cap=np.float32(soft_cap or 0.0))
     return out.astype(q.dtype)
+
+
+def write_kv_bytes(cache: jax.Array, values: jax.Array, slot_mapping: jax.Array) -> jax.Array:
+    """One layer's KV write into a cache of one-byte elements, in place, by the C++ kernel.
+
+    ``cache [B, K, S, H]`` (float8_e4m3fn), ``values [T, K, H]`` of the same dtype (rounded
+    already), ``slot_mapping i32[T]``: returns the cache with ``cache[slot // S, :, slot % S]
+    = values[t]`` for each token, slots past the cache or negative dropped (the jnp
+    scatter's ``mode="drop"``). The output aliases the cache operand, so a donated cache
+    is updated in place: only the T · K rows of H bytes are written (XLA's CPU backend
+    has no fp8 update, ``jaxserve.model.kv_cache.write_kv``).
+
+    Raises:
+      RuntimeError: the kernels could not be built (``available()`` is False).
+      ValueError: shapes other than the above, or dtypes that differ or are not one byte.
+    """
+    if (cache.ndim != 4 or values.ndim != 3 or slot_mapping.ndim != 1
+            or values.shape != (slot_mapping.shape[0], cache.shape[1], cache.shape[3])):
+        raise ValueError(f"write_kv_bytes: cache [B, K, S, H], values [T, K, H] and slot_mapping "
+                         f"[T] expected, got {cache.shape}, {values.shape} and {slot_mapping.shape}")
+    if values.dtype != cache.dtype or cache.dtype.itemsize != 1:
+        raise ValueError(f"write_kv_bytes: one-byte cache and values of one dtype expected, got "
+                         f"{cache.dtype} and {values.dtype}")
+    why = _load()
+    if why is not None:
+        raise RuntimeError(f"the CPU kernels are unavailable: {why}")
+    return jax.ffi.ffi_call(KV_WRITE_BYTES_TARGET, jax.ShapeDtypeStruct(cache.shape, cache.dtype),
+                            input_output_aliases={0: 0})(
+        cache, values, slot_mapping.astype(jnp.int32))
 
 
 def matmul(x: jax.Array, w: jax.Array) -> jax.Array:

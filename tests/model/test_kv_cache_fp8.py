@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import cpu_kernels
 from jaxserve.model import kv_cache
 from jaxserve.model.attention import AttentionMetadata, paged_attention, with_schedule
 from jaxserve.model.kv_cache import (FP8_DTYPE, FP8_MAX, init_kv_cache, kv_cache_bytes_per_block,
@@ -41,27 +42,48 @@ def test_quantize_kv_scales_rounds_and_clips():
     assert quantize_kv(x, jnp.bfloat16, None).dtype == jnp.bfloat16
 
 
-def test_fp8_write_never_widens_the_cache():
-    """XLA's CPU backend has no fp8 update: a plain scatter into an fp8 cache compiles to
-    a float copy of the whole cache and back. write_kv scatters its bytes on the CPU, and
-    the plain scatter elsewhere (lowered for a GPU: no bitcast)."""
+@pytest.mark.skipif(jax.default_backend() != "cpu" or not cpu_kernels.available(),
+                    reason="the C++ KV write is the CPU's")
+def test_fp8_write_is_in_place_on_the_cpu():
+    """XLA's CPU backend has no fp8 update: a plain scatter into an fp8 cache compiled to a
+    float16 copy of the whole cache and back. On the CPU write_kv runs the C++ write, whose
+    output aliases the cache (no copy of it in the program), with the plain scatter's
+    result bit for bit (slots past the cache dropped); lowered for a GPU it is the scatter."""
     shape = (64, 2, 16, 32)
-    cache = jnp.zeros(shape, FP8_DTYPE)
-    k = jnp.full((3, 2, 32), 1.5, jnp.float32)
-    slots = jnp.array([0, 17, 5000], jnp.int32)  # the last one past the cache: dropped
-    one = jnp.float32(1.0)
-    write = jax.jit(lambda c, k, s: kv_cache.write_kv(c, c, k, k, s, one, one)[0])
+    rng = np.random.default_rng(5)
+    cache = jnp.asarray(rng.standard_normal(shape) * 8, jnp.float32).astype(FP8_DTYPE)
+    k = jnp.asarray(rng.standard_normal((5, 2, 32)) * 8, jnp.float32)
+    slots = jnp.array([0, 17, 5000, 1023, 17 + 16], jnp.int32)  # 5000: past the cache
+    scale = jnp.float32(0.5)
+    write = jax.jit(lambda c, k, s: kv_cache.write_kv(c, c, k, k, s, scale, scale)[0],
+                    donate_argnums=0)
     text = write.lower(cache, k, slots).compile().as_text()
+    assert cpu_kernels.KV_WRITE_BYTES_TARGET in text
     dims = ",".join(map(str, shape))
     assert not [line for line in text.splitlines()
                 if any(f"{t}[{dims}]" in line for t in ("f16", "bf16", "f32"))]
-    out = np.asarray(write(cache, k, slots).astype(jnp.float32))
-    np.testing.assert_array_equal(out[0, :, 0], 1.5)
-    np.testing.assert_array_equal(out[1, :, 1], 1.5)
-    assert np.count_nonzero(out) == 2 * 2 * 32
-    gpu = jax.jit(lambda c, k, s: kv_cache.write_kv(c, c, k, k, s, one, one)[0]).trace(
+    assert "copy(" not in text
+    expected = np.asarray(cache).copy()
+    q = np.asarray(kv_cache.quantize_kv(k, FP8_DTYPE, scale))
+    for t, slot in enumerate(np.asarray(slots)):
+        if slot // 16 < shape[0]:
+            expected[slot // 16, :, slot % 16] = q[t]
+    out = write(jnp.asarray(cache), k, slots)
+    np.testing.assert_array_equal(np.asarray(out).view(np.uint8), expected.view(np.uint8))
+    gpu = jax.jit(lambda c, k, s: kv_cache.write_kv(c, c, k, k, s, scale, scale)[0]).trace(
         cache, k, slots).lower(lowering_platforms=("cuda",)).as_text()
-    assert "bitcast_convert" not in gpu
+    assert cpu_kernels.KV_WRITE_BYTES_TARGET not in gpu and "scatter" in gpu
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu" or not cpu_kernels.available(),
+                    reason="the C++ KV write is the CPU's")
+def test_write_kv_bytes_refuses_bad_operands():
+    cache = jnp.zeros((4, 2, 16, 8), FP8_DTYPE)
+    with pytest.raises(ValueError, match="values"):
+        cpu_kernels.write_kv_bytes(cache, jnp.zeros((3, 2, 4), FP8_DTYPE), jnp.zeros(3, jnp.int32))
+    with pytest.raises(ValueError, match="one-byte"):
+        cpu_kernels.write_kv_bytes(cache.astype(jnp.float32), jnp.zeros((3, 2, 8), jnp.float32),
+                                   jnp.zeros(3, jnp.int32))
 
 
 def test_init_kv_cache_fp8_scales(tiny_config):
