@@ -59,6 +59,9 @@ MATMUL_TARGET = "jaxserve_matmul_f32"
 MATMUL_I8_TARGET = "jaxserve_matmul_i8"
 MATMUL_I4_TARGET = "jaxserve_matmul_i4"
 KV_WRITE_BYTES_TARGET = "jaxserve_kv_write_bytes"
+# Every custom call the library registers (the program store allows them in exports).
+TARGETS = (TARGET, F8_TARGET, MATMUL_TARGET, MATMUL_I8_TARGET, MATMUL_I4_TARGET,
+           KV_WRITE_BYTES_TARGET)
 # A float32 product of at most this many rows runs the C++ kernel where it is built with
 # AVX-512 (16-lane vectors); beyond, XLA's own (YNNPACK), which was level at 256 rows and
 # faster at 512. Measured on the demo model's shapes, 2 cores: a 30-layer chain of its four
@@ -154,12 +157,10 @@ def _load() -> str | None:
     """Builds and registers the kernels once per process; None when they work, else why not."""
     try:
         lib = _library()
-        for target, symbol in ((TARGET, lib.JaxservePagedAttentionF32),
-                               (F8_TARGET, lib.JaxservePagedAttentionF8E4M3FN),
-                               (MATMUL_TARGET, lib.JaxserveMatmulF32),
-                               (MATMUL_I8_TARGET, lib.JaxserveMatmulI8),
-                               (MATMUL_I4_TARGET, lib.JaxserveMatmulI4),
-                               (KV_WRITE_BYTES_TARGET, lib.JaxserveKvWriteBytes)):
+        symbols = (lib.JaxservePagedAttentionF32, lib.JaxservePagedAttentionF8E4M3FN,
+                   lib.JaxserveMatmulF32, lib.JaxserveMatmulI8, lib.JaxserveMatmulI4,
+                   lib.JaxserveKvWriteBytes)
+        for target, symbol in zip(TARGETS, symbols, strict=True):
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol), platform="cpu")
         if lib.JaxserveMatmulLanes() not in (8, 16):
             raise RuntimeError(f"the library's vectors have {lib.JaxserveMatmulLanes()} lanes, "
@@ -258,8 +259,9 @@ def write_kv_bytes(cache: jax.Array, values: jax.Array, slot_mapping: jax.Array)
 
     ``cache [B, K, S, H]`` (float8_e4m3fn), ``values [T, K, H]`` of the same dtype (rounded
     already), ``slot_mapping i32[T]``: returns the cache with ``cache[slot // S, :, slot % S]
-    = values[t]`` for each token, slots past the cache or negative dropped (the jnp
-    scatter's ``mode="drop"``). The output aliases the cache operand, so a donated cache
+    = values[t]`` for each token, slots past the cache dropped (as the jnp scatter's
+    ``mode="drop"``) and negative ones too (the engine passes none; the jnp scatter
+    would wrap them). The output aliases the cache operand, so a donated cache
     is updated in place: only the T · K rows of H bytes are written (XLA's CPU backend
     has no fp8 update, ``jaxserve.model.kv_cache.write_kv``).
 

@@ -75,8 +75,7 @@ _TRACED_SOURCES = ("jaxserve/model", "jaxserve/worker", "pallas_kernels", "cpu_k
 # The custom calls of the served step that jax.export does not vouch for across
 # versions (module docstring); the key pins the versions and the sources, so
 # they are safe to store here.
-CUSTOM_CALL_TARGETS = (TRITON_CUSTOM_CALL, "triton_kernel_call", cpu_kernels.TARGET,
-                       cpu_kernels.MATMUL_TARGET, cpu_kernels.MATMUL_I8_TARGET)
+CUSTOM_CALL_TARGETS = (TRITON_CUSTOM_CALL, "triton_kernel_call", *cpu_kernels.TARGETS)
 _DISABLED_CHECKS = tuple(export.DisabledSafetyCheck.custom_call(t) for t in CUSTOM_CALL_TARGETS)
 # Distributions whose version changes what a GPU program compiles to.
 _PLUGINS = ("jax-cuda12-plugin", "jax-cuda12-pjrt", "jax-cuda13-plugin", "jax-cuda13-pjrt")
