@@ -21,7 +21,7 @@ import pytest
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.client.types import model_info_from_proto
-from jaxserve.engine.config import EngineConfig
+from jaxserve.engine.config import CacheConfig, EngineConfig
 from jaxserve.engine.service import engine_info
 from jaxserve.model.loader import load_model
 from jaxserve.proto import generate_pb2 as pb
@@ -109,6 +109,17 @@ def test_engine_and_model_info_report_the_quantization():
     for method in ("int8", "fp8"):
         info = model_info_from_proto(pb.GetModelInfoResponse(model="m", quantization=method))
         assert info.quantization == method
+
+
+def test_engine_and_model_info_report_the_kv_cache_dtype():
+    geometry = Geometry(num_kv_blocks=9, block_size=16, max_model_len=64, vocab_size=256,
+                        eos_token_ids=(0,))
+    for kv in ("auto", "fp8", "fp8_e4m3"):
+        core = types.SimpleNamespace(
+            config=EngineConfig(model="/m", cache=CacheConfig(kv_cache_dtype=kv)), geometry=geometry)
+        assert engine_info(core).kv_cache_dtype == kv
+    info = model_info_from_proto(pb.GetModelInfoResponse(model="m", kv_cache_dtype="fp8"))
+    assert info.kv_cache_dtype == "fp8"
 
 
 def test_llm_refuses_fp8_on_the_cpu_in_one_line(tiny, demo_model_dir):

@@ -93,7 +93,7 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
             vocab_size=info.vocab_size, block_size=info.block_size,
             num_kv_blocks_free=stats.kv_blocks_total - stats.kv_blocks_used,
             num_kv_blocks_total=stats.kv_blocks_total, eos_token_ids=info.eos_token_ids,
-            quantization=info.quantization)
+            quantization=info.quantization, kv_cache_dtype=info.kv_cache_dtype)
 
     async def Tokenize(self, request: pb.TokenizeRequest,
                        context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:

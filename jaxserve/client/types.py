@@ -251,7 +251,9 @@ class GenerateResult:
 @dataclasses.dataclass(frozen=True, slots=True)
 class ModelInfo:
     """``GetModelInfo``: the served model and KV-cache occupancy (lengths in tokens);
-    ``quantization`` is the weights' method ("int8"), "" when unquantized."""
+    ``quantization`` is the weights' method ("int8"), "" when unquantized;
+    ``kv_cache_dtype`` the server's ``--kv-cache-dtype`` (vLLM's values: "auto", the
+    model's dtype; "fp8" or "fp8_e4m3", e4m3 keys and values)."""
 
     model: str
     max_model_len: int
@@ -261,6 +263,7 @@ class ModelInfo:
     num_kv_blocks_total: int
     eos_token_ids: tuple[int, ...]
     quantization: str = ""
+    kv_cache_dtype: str = ""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -400,7 +403,7 @@ def model_info_from_proto(response: pb.GetModelInfoResponse) -> ModelInfo:
     return ModelInfo(response.model, response.max_model_len, response.vocab_size,
                      response.block_size, response.num_kv_blocks_free,
                      response.num_kv_blocks_total, tuple(response.eos_token_ids),
-                     response.quantization)
+                     response.quantization, response.kv_cache_dtype)
 
 
 class ResultBuilder:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import time
 
 from jaxserve.engine.service import (add_engine_arguments, engine_config, engine_flags,
                                      positive_int)
@@ -129,15 +130,17 @@ def run(args: argparse.Namespace) -> int:
         return 2
     stop = StopSignal()
     launcher = Launcher(serve_options(args))
+    started = time.monotonic()  # start() itself waits for the workers' addresses
     try:
         try:
             launcher.start()
         except (FileNotFoundError, ValueError, DemoModelError) as err:
             logger.error("%s", err)
             return 1
-        seconds = launcher.wait_ready(args.ready_timeout, stop_event=stop.event)
+        launcher.wait_ready(args.ready_timeout, stop_event=stop.event)
         logger.info("jaxserve ready on %s (gRPC)%s after %.1f s", launcher.address,
-                    f" and port {args.http_port} (HTTP)" if args.http_port else "", seconds)
+                    f" and port {args.http_port} (HTTP)" if args.http_port else "",
+                    time.monotonic() - started)
         return launcher.wait(stop.event)
     except InterruptedError:
         return 0

@@ -407,9 +407,10 @@ class EngineConfig:
         usable = (geometry.num_kv_blocks - 1) * geometry.block_size
         if usable < geometry.max_model_len:
             raise ValueError(
-                f"the KV cache holds {usable} tokens ({geometry.num_kv_blocks - 1} blocks of "
-                f"{geometry.block_size}), fewer than max_model_len={geometry.max_model_len}; "
-                f"raise num_kv_blocks / kv_cache_bytes or lower max_model_len")
+                f"the KV cache holds {usable} tokens ({geometry.num_kv_blocks - 1} usable "
+                f"block(s) of {geometry.block_size}), fewer than max_model_len="
+                f"{geometry.max_model_len}: raise --num-kv-blocks / --kv-cache-bytes or lower "
+                f"--max-model-len (LLM: num_kv_blocks / kv_cache_bytes, max_model_len)")
         return dataclasses.replace(
             self, max_model_len=geometry.max_model_len, eos_token_ids=geometry.eos_token_ids,
             cache=dataclasses.replace(self.cache, num_kv_blocks=geometry.num_kv_blocks))

@@ -173,7 +173,8 @@ def engine_info(core: EngineCore) -> epb.EngineInfo:
         block_size=geo.block_size, max_model_len=geo.max_model_len, vocab_size=geo.vocab_size,
         eos_token_ids=list(geo.eos_token_ids), max_num_seqs=cfg.scheduler.max_num_seqs,
         max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens,
-        quantization=cfg.quantization or "")
+        quantization=cfg.quantization or "",
+        kv_cache_dtype=cfg.cache.kv_cache_dtype)
 
 
 class EngineServer:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from jaxserve.proto import generate_pb2 as jaxserve_dot_generate__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15jaxserve/engine.proto\x12\x08jaxserve\x1a\x17jaxserve/generate.proto\"\x16\n\x14GetEngineInfoRequest\"\xe3\x01\n\nEngineInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x15\n\rnum_kv_blocks\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x15\n\rmax_model_len\x18\x05 \x01(\r\x12\x12\n\nvocab_size\x18\x06 \x01(\r\x12\x15\n\reos_token_ids\x18\x07 \x03(\x05\x12\x14\n\x0cmax_num_seqs\x18\x08 \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\t \x01(\r\x12\x14\n\x0cquantization\x18\n \x01(\t\"\xae\x01\n\rEngineRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x31\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x18.jaxserve.SamplingParams\x12\x14\n\x0c\x61rrival_time\x18\x04 \x01(\x01\x12\x17\n\ncache_salt\x18\x05 \x01(\tH\x00\x88\x01\x01\x42\r\n\x0b_cache_salt\"\x14\n\x12\x41\x64\x64RequestResponse\"?\n\x0b\x41\x62ortTarget\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\x05index\x18\x02 \x01(\rH\x00\x88\x01\x01\x42\x08\n\x06_index\">\n\x14\x41\x62ortRequestsRequest\x12&\n\x07targets\x18\x01 \x03(\x0b\x32\x15.jaxserve.AbortTarget\"\x17\n\x15\x41\x62ortRequestsResponse\"\x16\n\x14StreamOutputsRequest\"\\\n\x0e\x45ngineLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\xed\x02\n\x0c\x45ngineOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x15\n\rnew_token_ids\x18\x03 \x03(\x05\x12.\n\x0cnew_logprobs\x18\x04 \x03(\x0b\x32\x18.jaxserve.EngineLogprobs\x12\x14\n\x0chas_logprobs\x18\x05 \x01(\x08\x12-\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x16.jaxserve.FinishReason\x12\x18\n\x0bstop_reason\x18\x07 \x01(\x05H\x00\x88\x01\x01\x12\x19\n\x11num_prompt_tokens\x18\x08 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\t \x01(\r\x12\x1b\n\x13has_prompt_logprobs\x18\n \x01(\x08\x12\x31\n\x0fprompt_logprobs\x18\x0b \x03(\x0b\x32\x18.jaxserve.EngineLogprobsB\x0e\n\x0c_stop_reason\"g\n\x11\x45ngineOutputBatch\x12\'\n\x07outputs\x18\x01 \x03(\x0b\x32\x16.jaxserve.EngineOutput\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x1a\n\x12\x66\x61iled_request_ids\x18\x03 \x03(\t\"\x11\n\x0fGetStatsRequest\"\xcb\x03\n\x13\x45ngineStatsResponse\x12\x13\n\x0bnum_waiting\x18\x01 \x01(\r\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x03 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x04 \x01(\r\x12\x18\n\x10kv_blocks_cached\x18\x05 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x06 \x01(\r\x12\x1c\n\x14prefix_cache_queries\x18\x07 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x08 \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\t \x01(\x04\x12\x11\n\tnum_steps\x18\n \x01(\x04\x12\x0f\n\x07serving\x18\x0b \x01(\x08\x12\r\n\x05\x65rror\x18\x0c \x01(\t\x12\x16\n\x0enum_recompiles\x18\r \x01(\x04\x12\x1b\n\x13num_worker_restarts\x18\x0e \x01(\x04\x12\x1e\n\x16spec_decode_num_drafts\x18\x0f \x01(\x04\x12$\n\x1cspec_decode_num_draft_tokens\x18\x10 \x01(\x04\x12\'\n\x1fspec_decode_num_accepted_tokens\x18\x11 \x01(\x04\x32\x83\x03\n\rEngineService\x12\x45\n\rGetEngineInfo\x12\x1e.jaxserve.GetEngineInfoRequest\x1a\x14.jaxserve.EngineInfo\x12\x43\n\nAddRequest\x12\x17.jaxserve.EngineRequest\x1a\x1c.jaxserve.AddRequestResponse\x12P\n\rAbortRequests\x12\x1e.jaxserve.AbortRequestsRequest\x1a\x1f.jaxserve.AbortRequestsResponse\x12N\n\rStreamOutputs\x12\x1e.jaxserve.StreamOutputsRequest\x1a\x1b.jaxserve.EngineOutputBatch0\x01\x12\x44\n\x08GetStats\x12\x19.jaxserve.GetStatsRequest\x1a\x1d.jaxserve.EngineStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15jaxserve/engine.proto\x12\x08jaxserve\x1a\x17jaxserve/generate.proto\"\x16\n\x14GetEngineInfoRequest\"\xfb\x01\n\nEngineInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x15\n\rnum_kv_blocks\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x15\n\rmax_model_len\x18\x05 \x01(\r\x12\x12\n\nvocab_size\x18\x06 \x01(\r\x12\x15\n\reos_token_ids\x18\x07 \x03(\x05\x12\x14\n\x0cmax_num_seqs\x18\x08 \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\t \x01(\r\x12\x14\n\x0cquantization\x18\n \x01(\t\x12\x16\n\x0ekv_cache_dtype\x18\x0b \x01(\t\"\xae\x01\n\rEngineRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x31\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x18.jaxserve.SamplingParams\x12\x14\n\x0c\x61rrival_time\x18\x04 \x01(\x01\x12\x17\n\ncache_salt\x18\x05 \x01(\tH\x00\x88\x01\x01\x42\r\n\x0b_cache_salt\"\x14\n\x12\x41\x64\x64RequestResponse\"?\n\x0b\x41\x62ortTarget\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\x05index\x18\x02 \x01(\rH\x00\x88\x01\x01\x42\x08\n\x06_index\">\n\x14\x41\x62ortRequestsRequest\x12&\n\x07targets\x18\x01 \x03(\x0b\x32\x15.jaxserve.AbortTarget\"\x17\n\x15\x41\x62ortRequestsResponse\"\x16\n\x14StreamOutputsRequest\"\\\n\x0e\x45ngineLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\xed\x02\n\x0c\x45ngineOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x15\n\rnew_token_ids\x18\x03 \x03(\x05\x12.\n\x0cnew_logprobs\x18\x04 \x03(\x0b\x32\x18.jaxserve.EngineLogprobs\x12\x14\n\x0chas_logprobs\x18\x05 \x01(\x08\x12-\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x16.jaxserve.FinishReason\x12\x18\n\x0bstop_reason\x18\x07 \x01(\x05H\x00\x88\x01\x01\x12\x19\n\x11num_prompt_tokens\x18\x08 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\t \x01(\r\x12\x1b\n\x13has_prompt_logprobs\x18\n \x01(\x08\x12\x31\n\x0fprompt_logprobs\x18\x0b \x03(\x0b\x32\x18.jaxserve.EngineLogprobsB\x0e\n\x0c_stop_reason\"g\n\x11\x45ngineOutputBatch\x12\'\n\x07outputs\x18\x01 \x03(\x0b\x32\x16.jaxserve.EngineOutput\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x1a\n\x12\x66\x61iled_request_ids\x18\x03 \x03(\t\"\x11\n\x0fGetStatsRequest\"\xcb\x03\n\x13\x45ngineStatsResponse\x12\x13\n\x0bnum_waiting\x18\x01 \x01(\r\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x03 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x04 \x01(\r\x12\x18\n\x10kv_blocks_cached\x18\x05 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x06 \x01(\r\x12\x1c\n\x14prefix_cache_queries\x18\x07 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x08 \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\t \x01(\x04\x12\x11\n\tnum_steps\x18\n \x01(\x04\x12\x0f\n\x07serving\x18\x0b \x01(\x08\x12\r\n\x05\x65rror\x18\x0c \x01(\t\x12\x16\n\x0enum_recompiles\x18\r \x01(\x04\x12\x1b\n\x13num_worker_restarts\x18\x0e \x01(\x04\x12\x1e\n\x16spec_decode_num_drafts\x18\x0f \x01(\x04\x12$\n\x1cspec_decode_num_draft_tokens\x18\x10 \x01(\x04\x12\'\n\x1fspec_decode_num_accepted_tokens\x18\x11 \x01(\x04\x32\x83\x03\n\rEngineService\x12\x45\n\rGetEngineInfo\x12\x1e.jaxserve.GetEngineInfoRequest\x1a\x14.jaxserve.EngineInfo\x12\x43\n\nAddRequest\x12\x17.jaxserve.EngineRequest\x1a\x1c.jaxserve.AddRequestResponse\x12P\n\rAbortRequests\x12\x1e.jaxserve.AbortRequestsRequest\x1a\x1f.jaxserve.AbortRequestsResponse\x12N\n\rStreamOutputs\x12\x1e.jaxserve.StreamOutputsRequest\x1a\x1b.jaxserve.EngineOutputBatch0\x01\x12\x44\n\x08GetStats\x12\x19.jaxserve.GetStatsRequest\x1a\x1d.jaxserve.EngineStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,29 +35,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETENGINEINFOREQUEST']._serialized_start=60
   _globals['_GETENGINEINFOREQUEST']._serialized_end=82
   _globals['_ENGINEINFO']._serialized_start=85
-  _globals['_ENGINEINFO']._serialized_end=312
-  _globals['_ENGINEREQUEST']._serialized_start=315
-  _globals['_ENGINEREQUEST']._serialized_end=489
-  _globals['_ADDREQUESTRESPONSE']._serialized_start=491
-  _globals['_ADDREQUESTRESPONSE']._serialized_end=511
-  _globals['_ABORTTARGET']._serialized_start=513
-  _globals['_ABORTTARGET']._serialized_end=576
-  _globals['_ABORTREQUESTSREQUEST']._serialized_start=578
-  _globals['_ABORTREQUESTSREQUEST']._serialized_end=640
-  _globals['_ABORTREQUESTSRESPONSE']._serialized_start=642
-  _globals['_ABORTREQUESTSRESPONSE']._serialized_end=665
-  _globals['_STREAMOUTPUTSREQUEST']._serialized_start=667
-  _globals['_STREAMOUTPUTSREQUEST']._serialized_end=689
-  _globals['_ENGINELOGPROBS']._serialized_start=691
-  _globals['_ENGINELOGPROBS']._serialized_end=783
-  _globals['_ENGINEOUTPUT']._serialized_start=786
-  _globals['_ENGINEOUTPUT']._serialized_end=1151
-  _globals['_ENGINEOUTPUTBATCH']._serialized_start=1153
-  _globals['_ENGINEOUTPUTBATCH']._serialized_end=1256
-  _globals['_GETSTATSREQUEST']._serialized_start=1258
-  _globals['_GETSTATSREQUEST']._serialized_end=1275
-  _globals['_ENGINESTATSRESPONSE']._serialized_start=1278
-  _globals['_ENGINESTATSRESPONSE']._serialized_end=1737
-  _globals['_ENGINESERVICE']._serialized_start=1740
-  _globals['_ENGINESERVICE']._serialized_end=2127
+  _globals['_ENGINEINFO']._serialized_end=336
+  _globals['_ENGINEREQUEST']._serialized_start=339
+  _globals['_ENGINEREQUEST']._serialized_end=513
+  _globals['_ADDREQUESTRESPONSE']._serialized_start=515
+  _globals['_ADDREQUESTRESPONSE']._serialized_end=535
+  _globals['_ABORTTARGET']._serialized_start=537
+  _globals['_ABORTTARGET']._serialized_end=600
+  _globals['_ABORTREQUESTSREQUEST']._serialized_start=602
+  _globals['_ABORTREQUESTSREQUEST']._serialized_end=664
+  _globals['_ABORTREQUESTSRESPONSE']._serialized_start=666
+  _globals['_ABORTREQUESTSRESPONSE']._serialized_end=689
+  _globals['_STREAMOUTPUTSREQUEST']._serialized_start=691
+  _globals['_STREAMOUTPUTSREQUEST']._serialized_end=713
+  _globals['_ENGINELOGPROBS']._serialized_start=715
+  _globals['_ENGINELOGPROBS']._serialized_end=807
+  _globals['_ENGINEOUTPUT']._serialized_start=810
+  _globals['_ENGINEOUTPUT']._serialized_end=1175
+  _globals['_ENGINEOUTPUTBATCH']._serialized_start=1177
+  _globals['_ENGINEOUTPUTBATCH']._serialized_end=1280
+  _globals['_GETSTATSREQUEST']._serialized_start=1282
+  _globals['_GETSTATSREQUEST']._serialized_end=1299
+  _globals['_ENGINESTATSRESPONSE']._serialized_start=1302
+  _globals['_ENGINESTATSRESPONSE']._serialized_end=1761
+  _globals['_ENGINESERVICE']._serialized_start=1764
+  _globals['_ENGINESERVICE']._serialized_end=2151
 # @@protoc_insertion_point(module_scope)

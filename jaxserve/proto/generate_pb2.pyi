@@ -212,7 +212,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model", "max_model_len", "vocab_size", "block_size", "num_kv_blocks_free", "num_kv_blocks_total", "eos_token_ids", "quantization")
+    __slots__ = ("model", "max_model_len", "vocab_size", "block_size", "num_kv_blocks_free", "num_kv_blocks_total", "eos_token_ids", "quantization", "kv_cache_dtype")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -221,6 +221,7 @@ class GetModelInfoResponse(_message.Message):
     NUM_KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     model: str
     max_model_len: int
     vocab_size: int
@@ -229,7 +230,8 @@ class GetModelInfoResponse(_message.Message):
     num_kv_blocks_total: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     quantization: str
-    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks_free: _Optional[int] = ..., num_kv_blocks_total: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., quantization: _Optional[str] = ...) -> None: ...
+    kv_cache_dtype: str
+    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks_free: _Optional[int] = ..., num_kv_blocks_total: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., quantization: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("text", "chat")

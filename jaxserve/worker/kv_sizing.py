@@ -149,11 +149,17 @@ def num_kv_blocks(*, num_blocks: int | None, kv_cache_bytes: int | None, bytes_p
 
     Raises:
       ValueError: automatic sizing on a non-CPU device that reports no memory,
-        or no room for 2 blocks (``blocks_from_free_memory``).
+        ``kv_cache_bytes`` below 2 blocks, or no room for 2 blocks
+        (``blocks_from_free_memory``).
     """
     if num_blocks is not None:
         return num_blocks
     if kv_cache_bytes is not None:
+        if kv_cache_bytes // bytes_per_block < 2:
+            raise ValueError(
+                f"a KV cache of {kv_cache_bytes} bytes (--kv-cache-bytes; LLM(kv_cache_bytes=...)) "
+                f"holds {kv_cache_bytes // bytes_per_block} of the 2 blocks it needs at least: "
+                f"a block takes {bytes_per_block} bytes, so give at least {2 * bytes_per_block}")
         return kv_cache_bytes // bytes_per_block
     if memory is None:
         if platform != "cpu":

@@ -1,5 +1,6 @@
 """``jaxserve serve -q int4`` end to end: the flag crosses the launcher, the engine process and
-the gRPC worker (``InitializeRequest.quantization``), and ``GetModelInfo`` reports it.
+the gRPC worker (``InitializeRequest.quantization``), and ``GetModelInfo`` reports it (and
+the KV cache's dtype).
 
 One server start for both methods: the served path carries the method as a string
 (``tests/engine/test_engine_flags.py`` checks both values reach ``WorkerInit``); int4 is
@@ -31,7 +32,9 @@ def test_serve_int4_reports_and_generates(tmp_path, demo_model_dir):
     copy_tokenizer(demo_model_dir, tmp_path)
     with serve(tmp_path, ENGINE + ("-q", "int4")) as launcher:
         with Client(launcher.address, timeout=120) as client:
-            assert client.model_info().quantization == "int4"
+            info = client.model_info()
+            assert info.quantization == "int4"
+            assert info.kv_cache_dtype == "auto"  # the default --kv-cache-dtype
             tokens = client.generate(PROMPT, max_tokens=4, temperature=0.0,
                                      ignore_eos=True).token_ids
     assert len(tokens) == 4

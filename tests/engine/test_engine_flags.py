@@ -153,3 +153,20 @@ def test_a_bad_speculative_config_is_refused_by_argparse_naming_the_cause(bad, w
         _parse("--speculative-config", bad)
     err = capsys.readouterr().err
     assert "--speculative-config" in err and why in err
+
+
+def test_a_cache_too_small_for_one_sequence_names_the_flags_to_change():
+    from jaxserve.engine.config import EngineConfig
+    from jaxserve.step_plan import Geometry
+
+    geometry = Geometry(num_kv_blocks=2, block_size=16, max_model_len=8192, vocab_size=256,
+                        eos_token_ids=(0,))
+    with pytest.raises(ValueError) as err:
+        EngineConfig(model="/m").resolved(geometry)
+    message = str(err.value)
+    assert message.startswith("the KV cache holds 16 tokens (1 usable block(s) of 16)")
+    for flag in ("--num-kv-blocks", "--kv-cache-bytes", "--max-model-len", "num_kv_blocks"):
+        assert flag in message
+    fits = Geometry(num_kv_blocks=513, block_size=16, max_model_len=8192, vocab_size=256,
+                    eos_token_ids=(0,))
+    assert EngineConfig(model="/m").resolved(fits).cache.num_kv_blocks == 513

@@ -37,6 +37,15 @@ def test_explicit_settings_take_precedence_and_cpu_has_a_budget():
                          **kw) == DEFAULT_CPU_KV_CACHE_BYTES // (3 * MiB)
 
 
+def test_a_kv_cache_budget_below_two_blocks_says_how_many_bytes_it_needs():
+    kw = dict(num_blocks=None, bytes_per_block=3 * MiB, memory=None, utilization=0.9)
+    assert num_kv_blocks(kv_cache_bytes=6 * MiB, **kw) == 2
+    with pytest.raises(ValueError) as err:
+        num_kv_blocks(kv_cache_bytes=6 * MiB - 1, **kw)
+    assert (f"holds 1 of the 2 blocks" in str(err.value) and "--kv-cache-bytes" in str(err.value)
+            and f"at least {6 * MiB}" in str(err.value))
+
+
 def test_free_memory_rule():
     memory = DeviceMemory(bytes_limit=1000 * MiB, bytes_in_use=300 * MiB)
     # 1000 * 0.8 - 300 - 100 - 2 % of 800 (16) = 384 MiB -> 384 // 3 = 128 blocks of 3 MiB.
