@@ -53,7 +53,7 @@ def _oracle(x, q, scale):
     return exact, np.abs(x).astype(np.float64) @ np.abs(w).T
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 5, 16, 31, 32, 33, 64])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 7, 8, 9, 16, 31, 32, 33, 64])
 @pytest.mark.parametrize("n,k,group", [(1, 32, 32), (6, 64, 32), (47, 96, 32), (13, 192, 64),
                                        (25, 256, 128), (49, 320, 32)])
 def test_matches_float64_oracle(m, n, k, group):
@@ -66,6 +66,19 @@ def test_matches_float64_oracle(m, n, k, group):
     np.testing.assert_array_less(np.abs(out - exact), tol)
     ref = np.asarray(jax.jit(cpu_kernels.matmul_i4_reference)(*args))
     np.testing.assert_array_less(np.abs(ref - exact), tol)
+
+
+@pytest.mark.parametrize("m", [8, 9, 17, 31])
+def test_a_row_is_the_same_bits_alone_and_among_many(m):
+    """Below the outer form's 32 rows every row's sums run in one order whatever the row count:
+    from 8 rows an 8-lane build widens each column block once into a float32 copy for all
+    the rows (matmul.cc, ``Panel``), which must give the very bits of widening in place, as
+    one row does."""
+    x, q, packed, scale = _operands(m, 47, 320, 64)
+    many = np.asarray(jax.jit(cpu_kernels.matmul_i4)(*map(jnp.asarray, (x, packed, scale))))
+    for i in (0, m // 2, m - 1):
+        one = np.asarray(cpu_kernels.matmul_i4(*map(jnp.asarray, (x[i:i + 1], packed, scale))))
+        np.testing.assert_array_equal(many[i], one[0])
 
 
 def test_extreme_nibbles_and_leading_axes():
