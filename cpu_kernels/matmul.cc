@@ -319,8 +319,8 @@ inline void RowBlocks(const float* x, const W& w, int64_t n, float* y, int64_t r
 // products (30 layers and the LM head, 2-core AVX2 EPYC, median of 7, two runs) took
 // 0.78-0.83x the time at 16, 32 and 64 rows, 0.92-0.96x at 8, but 1.12x at 4. int8's
 // widening (one widening load and a convert) is cheaper than the store and reload: the
-// same form took int8 1.05-1.33x, so int8 keeps widening in place. Load / At read the float32 copy of rows n0 .. n0 +
-// kColBlock; Out is the int4 view's.
+// same form took int8 1.05-1.33x, so int8 keeps widening in place. Load / At read the
+// float32 copy of rows n0 .. n0 + kColBlock; Out is the int4 view's.
 template <typename W>
 struct Panel {
   static_assert(W::kPairs, "the int4 view: K a multiple of 32, read 32 at a time");
@@ -344,7 +344,9 @@ struct Panel {
   VF Load(int64_t n, int64_t k) const {
     return *reinterpret_cast<const VF*>(buf + (k / kLanes * kColBlock + (n - n0)) * kLanes);
   }
-  float At(int64_t n, int64_t k) const { return buf[(k / kLanes * kColBlock + (n - n0)) * kLanes + k % kLanes]; }
+  float At(int64_t n, int64_t k) const {
+    return buf[(k / kLanes * kColBlock + (n - n0)) * kLanes + k % kLanes];
+  }
   float Out(float s, int64_t n) const { return src->Out(s, n); }
 };
 

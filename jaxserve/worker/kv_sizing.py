@@ -155,12 +155,13 @@ def num_kv_blocks(*, num_blocks: int | None, kv_cache_bytes: int | None, bytes_p
     if num_blocks is not None:
         return num_blocks
     if kv_cache_bytes is not None:
-        if kv_cache_bytes // bytes_per_block < 2:
+        blocks = kv_cache_bytes // bytes_per_block
+        if blocks < 2:
             raise ValueError(
                 f"a KV cache of {kv_cache_bytes} bytes (--kv-cache-bytes; LLM(kv_cache_bytes=...)) "
-                f"holds {kv_cache_bytes // bytes_per_block} of the 2 blocks it needs at least: "
-                f"a block takes {bytes_per_block} bytes, so give at least {2 * bytes_per_block}")
-        return kv_cache_bytes // bytes_per_block
+                f"holds {blocks} of the 2 blocks it needs at least: a block takes "
+                f"{bytes_per_block} bytes, so give at least {2 * bytes_per_block}")
+        return blocks
     if memory is None:
         if platform != "cpu":
             raise ValueError(
