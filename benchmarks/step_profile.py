@@ -47,6 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, default=None, help="fixed output length")
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--quantization", default=None, choices=("int8", "int4", "fp8"),
+                        help="weight quantization (default: float weights; docs/model.md)")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -60,7 +62,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     workload = offline_throughput.make_workload(args, offline_throughput.vocab_size(model_dir))
     options = jaxserve_leg.EngineOptions(max_num_seqs=args.max_num_seqs,
                                          max_num_batched_tokens=args.max_num_batched_tokens,
-                                         attention_backend=args.attention_backend)
+                                         attention_backend=args.attention_backend,
+                                         quantization=args.quantization)
     leg = jaxserve_leg.run(workload, model=model_dir, tokenizer=args.tokenizer, options=options,
                            seed=args.seed, profile_dir=trace_dir)
     return {"benchmark": NAME, "args": vars(args), "environment": common.environment(),

@@ -15,11 +15,11 @@
 //
 // Work is split into items of (row, KV head, up to kQueryTile query tokens);
 // an item's G·Tq query vectors share every key they read, straight from the
-// cache through the block table (no gathered copy). Keys go in chunks of 16
-// positions. Items with few query vectors (decode: G) put a chunk's 16 keys in
-// the lanes of a vector (a dot product per key); items with many (prefill) put
-// 16 queries in the lanes (the queries transposed once per item, a key's scores
-// are H multiply-adds, and the softmax runs on whole vectors). FlashAttention's
+// cache through the block table (no gathered copy). Keys go in chunks of kLanes
+// positions (16 with AVX-512, 8 otherwise). Items with few query vectors (decode: G)
+// put a chunk's keys in the lanes of a vector (a dot product per key); items with many
+// (prefill) put kLanes queries in the lanes (the queries transposed once per item, a
+// key's scores are H multiply-adds, and the softmax runs on whole vectors). FlashAttention's
 // online softmax (Dao et al., 2022, Alg. 1) merges the chunks. Items run on
 // XLA's intra-op thread pool (parallel.h).
 
@@ -45,8 +45,18 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int kQueryTile = 16;
+// float32 lanes of the vectors (VL): 16 with AVX-512, one register; 8 otherwise, one AVX2
+// register. Wider generic vectors than the registers live in register pairs, and GCC
+// moved them through the stack in half-register pieces that the next wide load waits
+// on (store-to-load forwarding fails): with 16 lanes on AVX2 a decode row of the demo
+// model took 2.3x the time of the 8-lane form.
+#ifdef __AVX512F__
+constexpr int kLanes = 16;
+#else
+constexpr int kLanes = 8;
+#endif
 // Keys per score vector.
-constexpr int64_t kChunk = 16;
+constexpr int64_t kChunk = kLanes;
 // Query vectors per item from which they go 16 to a vector (RunItemQueriesInLanes).
 constexpr int kQueriesInLanesAt = 12;
 // Multiply-adds below which a call runs on the calling thread alone: ~20 µs of one core's
@@ -77,11 +87,13 @@ struct Item {
   int32_t row, kv_head, first, count;  // query tokens [first, first + count)
 };
 
-// 16 floats: one AVX-512 register (two AVX2 ones); GCC/Clang lower it to what the CPU has.
-typedef float V16 __attribute__((vector_size(64), aligned(64)));
-typedef int32_t I16 __attribute__((vector_size(64), aligned(64)));
+typedef float VL __attribute__((vector_size(4 * kLanes), aligned(4 * kLanes)));
+typedef int32_t IL __attribute__((vector_size(4 * kLanes), aligned(4 * kLanes)));
 // The same vector at any float's alignment, for loads straight from the cache.
+typedef float VLu __attribute__((vector_size(4 * kLanes), aligned(4), may_alias));
+// 16 lanes, for widening fp8 16 values at a time on CPUs without AVX2.
 typedef float V16u __attribute__((vector_size(64), aligned(4), may_alias));
+typedef int32_t I16 __attribute__((vector_size(64), aligned(64)));
 
 // Whether a cache of E is widened into a float32 buffer chunk by chunk (fp8), rather
 // than read in place (float32).
@@ -114,65 +126,79 @@ inline void WidenF8E4M3FN(const uint8_t* src, float* dst) {
   _mm256_store_ps(dst, _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(half)), scale));
   _mm256_store_ps(dst + 8, _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(half, 1)), scale));
 #else
+  typedef float V16 __attribute__((vector_size(64), aligned(64)));
   const I16 bytes = __builtin_convertvector(*reinterpret_cast<const U8x16u*>(src), I16);
   const I16 magnitude = bytes & 0x7f;
   const V16 normal = reinterpret_cast<V16>((magnitude << 20) + (120 << 23));
   const V16 subnormal = reinterpret_cast<V16>((magnitude << 20) + (121 << 23)) - 0x1p-6f;
   const V16 value = magnitude < 8 ? subnormal : normal;
-  *reinterpret_cast<V16*>(dst) = reinterpret_cast<V16>(reinterpret_cast<I16>(value) | (bytes & 0x80) << 24);
+  *reinterpret_cast<V16u*>(dst) = reinterpret_cast<V16>(reinterpret_cast<I16>(value) | (bytes & 0x80) << 24);
 #endif
 }
 
-// Sum and maximum of a vector's 16 lanes: four halving steps, each one lane shuffle.
-inline V16 Fold(V16 v, bool take_max) {
-  const I16 h8 = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};
-  const I16 h4 = {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11};
-  const I16 h2 = {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13};
-  const I16 h1 = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
-  for (const I16& perm : {h8, h4, h2, h1}) {
-    const V16 other = __builtin_shuffle(v, perm);
+// Sum and maximum of a vector's lanes: halving steps (lane i with i + kLanes / 2, then
+// + kLanes / 4, ... + 1), each one lane shuffle.
+#ifdef __AVX512F__
+const IL kHalvings[4] = {{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7},
+                         {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11},
+                         {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13},
+                         {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14}};
+#else
+const IL kHalvings[3] = {{4, 5, 6, 7, 0, 1, 2, 3}, {2, 3, 0, 1, 6, 7, 4, 5}, {1, 0, 3, 2, 5, 4, 7, 6}};
+#endif
+inline VL Fold(VL v, bool take_max) {
+  for (const IL& perm : kHalvings) {
+    const VL other = __builtin_shuffle(v, perm);
     v = take_max ? (v > other ? v : other) : v + other;
   }
   return v;
 }
-inline float LaneSum(V16 v) { return Fold(v, false)[0]; }
-inline float LaneMax(V16 v) { return Fold(v, true)[0]; }
+inline float LaneSum(VL v) { return Fold(v, false)[0]; }
+inline float LaneMax(VL v) { return Fold(v, true)[0]; }
 
-// Lane sums of 16 vectors as one vector: lane t = the sum of v[t]'s lanes. A transposing
-// tree of four levels, each pairing two vectors with two two-source shuffles and an add
-// (30 shuffles in all, where 16 LaneSums take 64); it adds the lanes in LaneSum's order
-// (lane i with i + 8, then + 4, + 2, + 1), so each sum is bit for bit LaneSum's.
-inline V16 LaneSums16(const V16* v) {
-  static const I16 lo[4] = {{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
+// Lane sums of kLanes vectors as one vector: lane t = the sum of v[t]'s lanes. A
+// transposing tree of log2(kLanes) levels, each pairing two vectors with two two-source
+// shuffles and an add (2 · (kLanes − 1) shuffles in all, where kLanes LaneSums take
+// kLanes · log2(kLanes)); it adds the lanes in LaneSum's order, so each sum is bit for
+// bit LaneSum's.
+#ifdef __AVX512F__
+const IL kTransposeLo[4] = {{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
                             {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27},
                             {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29},
                             {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30}};
-  V16 cur[16];
-  for (int t = 0; t < 16; ++t) cur[t] = v[t];
-  int n = 16;
-  for (int level = 0; level < 4; ++level, n /= 2) {
-    const I16 hi = lo[level] + (8 >> level);  // the partner lanes
+#else
+const IL kTransposeLo[3] = {{0, 1, 2, 3, 8, 9, 10, 11}, {0, 1, 4, 5, 8, 9, 12, 13},
+                            {0, 2, 4, 6, 8, 10, 12, 14}};
+#endif
+inline VL LaneSums(const VL* v) {
+  VL cur[kLanes];
+  for (int t = 0; t < kLanes; ++t) cur[t] = v[t];
+  int n = kLanes, level = 0;
+  for (const IL& lo : kTransposeLo) {
+    const IL hi = lo + ((kLanes / 2) >> level);  // the partner lanes
     for (int t = 0; t < n / 2; ++t)
-      cur[t] = __builtin_shuffle(cur[2 * t], cur[2 * t + 1], lo[level]) +
+      cur[t] = __builtin_shuffle(cur[2 * t], cur[2 * t + 1], lo) +
                __builtin_shuffle(cur[2 * t], cur[2 * t + 1], hi);
+    n /= 2;
+    ++level;
   }
   return cur[0];
 }
 
-// exp(x) for x <= 0, 16 lanes: 2^(x·log2 e) = 2^n · 2^f with n = round(x·log2 e) and
+// exp(x) for x <= 0, lane by lane: 2^(x·log2 e) = 2^n · 2^f with n = round(x·log2 e) and
 // f in [-1/2, 1/2]; 2^f = e^(f·ln 2) by its Taylor polynomial of degree 7 (the first omitted
 // term, (ln 2 / 2)^8 / 8!, bounds the relative error by 5e-9). x below -87 (the masked -1e30
 // included) gives exactly 0.
-inline V16 ExpNonPositive(V16 x) {
-  const V16 zero = {};
-  V16 y = x * 1.4426950408889634f;
+inline VL ExpNonPositive(VL x) {
+  const VL zero = {};
+  VL y = x * 1.4426950408889634f;
   y = y < -126.0f ? zero - 126.0f : y;
   // round half down: y + 0.5 truncated toward zero, minus one where that rounded up.
-  const V16 shifted = y + 0.5f;
-  I16 n = __builtin_convertvector(shifted, I16);
-  n += __builtin_convertvector(n, V16) > shifted;  // a true lane compare is -1
-  const V16 t = (y - __builtin_convertvector(n, V16)) * 0.6931471805599453f;
-  V16 p = zero + (1.0f / 5040.0f);
+  const VL shifted = y + 0.5f;
+  IL n = __builtin_convertvector(shifted, IL);
+  n += __builtin_convertvector(n, VL) > shifted;  // a true lane compare is -1
+  const VL t = (y - __builtin_convertvector(n, VL)) * 0.6931471805599453f;
+  VL p = zero + (1.0f / 5040.0f);
   p = p * t + (1.0f / 720.0f);
   p = p * t + (1.0f / 120.0f);
   p = p * t + (1.0f / 24.0f);
@@ -180,10 +206,10 @@ inline V16 ExpNonPositive(V16 x) {
   p = p * t + 0.5f;
   p = p * t + 1.0f;
   p = p * t + 1.0f;
-  V16 scale;
-  const I16 bits = (n + 127) << 23;
+  VL scale;
+  const IL bits = (n + 127) << 23;
   __builtin_memcpy(&scale, &bits, sizeof(scale));
-  const V16 e = p * scale;
+  const VL e = p * scale;
   return x < -87.0f ? zero : e;
 }
 
@@ -225,7 +251,7 @@ void LoadQueries(const Problem<E>& p, const Item& it, int64_t H, Queries& out) {
 }
 
 // The key and value rows of positions [base, base + valid) of the item's row and KV
-// head, through the block table (a chunk spans several blocks when S < 16), as float32
+// head, through the block table (a chunk spans several blocks when S < kChunk), as float32
 // rows: a float32 cache's in place; an fp8 cache's widened into `staging`
 // ([2 · kChunk, H]: keys, then values), once per chunk, as every query vector of the
 // item reads them.
@@ -275,17 +301,21 @@ void StoreOutputs(const Problem<E>& p, const Item& it, int64_t H, const float* a
   }
 }
 
-const V16 kLane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+#ifdef __AVX512F__
+const VL kLane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+#else
+const VL kLane = {0, 1, 2, 3, 4, 5, 6, 7};
+#endif
 
-// Few query vectors (decode: G of them): a query's 16 scores of a chunk are one
-// vector: a dot product (H/16 FMAs) per key, the 16 lane sums at once (LaneSums16).
+// Few query vectors (decode: G of them): a query's kLanes scores of a chunk are one
+// vector: a dot product (H/kLanes FMAs) per key, the kLanes lane sums at once (LaneSums).
 template <int H, typename E>
-void RunItemKeysInLanes(const Problem<E>& p, const Item& it, Queries& qs, std::vector<V16>& scratch) {
-  constexpr int64_t HV = H / 16;
+void RunItemKeysInLanes(const Problem<E>& p, const Item& it, Queries& qs, std::vector<VL>& scratch) {
+  constexpr int64_t HV = H / kLanes;
   const int64_t nq = qs.count;
   // Scratch: acc [nq, H], then (fp8) the chunk's widened rows [2 · kChunk, H].
-  scratch.assign(nq * HV + (kWidened<E> ? 2 * kChunk * HV : 0), V16{});
-  V16* acc = scratch.data();
+  scratch.assign(nq * HV + (kWidened<E> ? 2 * kChunk * HV : 0), VL{});
+  VL* acc = scratch.data();
   float* staging = reinterpret_cast<float*>(acc + nq * HV);
   std::vector<float> m(nq, kMask), l(nq, 0.0f);
   const float* krows[kChunk];
@@ -293,29 +323,29 @@ void RunItemKeysInLanes(const Problem<E>& p, const Item& it, Queries& qs, std::v
   for (int64_t base = qs.key_lo / kChunk * kChunk; base <= qs.key_hi; base += kChunk) {
     const int64_t valid = std::min<int64_t>(kChunk, qs.key_hi + 1 - base);  // later keys: never read
     ChunkRows(p, it, H, base, valid, staging, krows, vrows);
-    const V16 kpos = kLane + static_cast<float>(base);
+    const VL kpos = kLane + static_cast<float>(base);
     for (int64_t j = 0; j < nq; ++j) {
-      const V16u* qj = reinterpret_cast<const V16u*>(qs.q.data() + j * H);  // not 64-byte aligned
-      V16 d[kChunk];
+      const VLu* qj = reinterpret_cast<const VLu*>(qs.q.data() + j * H);  // not 64-byte aligned
+      VL d[kChunk];
       for (int64_t c = 0; c < valid; ++c) {
-        const V16u* krow = reinterpret_cast<const V16u*>(krows[c]);
+        const VLu* krow = reinterpret_cast<const VLu*>(krows[c]);
         d[c] = qj[0] * krow[0];
 #pragma GCC unroll 16
         for (int64_t x = 1; x < HV; ++x) d[c] += qj[x] * krow[x];
       }
-      for (int64_t c = valid; c < kChunk; ++c) d[c] = V16{};  // past key_hi: masked below
-      V16 s = LaneSums16(d);
+      for (int64_t c = valid; c < kChunk; ++c) d[c] = VL{};  // past key_hi: masked below
+      VL s = LaneSums(d);
       if (p.soft_cap > 0.0f)
         for (int64_t c = 0; c < kChunk; ++c) s[c] = p.soft_cap * std::tanh(s[c] / p.soft_cap);
-      s = (kpos <= qs.pos[j]) & (kpos >= qs.lo[j]) ? s : V16{} + kMask;
+      s = (kpos <= qs.pos[j]) & (kpos >= qs.lo[j]) ? s : VL{} + kMask;
       const float block_max = LaneMax(s);
       if (block_max == kMask) continue;  // no key of this chunk is visible to this query
       const float m_new = std::max(m[j], block_max);
       const float alpha = std::exp(m[j] - m_new);
-      const V16 e = ExpNonPositive(s - m_new);  // masked: exactly 0
+      const VL e = ExpNonPositive(s - m_new);  // masked: exactly 0
       l[j] = l[j] * alpha + LaneSum(e);
       m[j] = m_new;
-      V16 a[HV];
+      VL a[HV];
 #pragma GCC unroll 16
       for (int64_t x = 0; x < HV; ++x) a[x] = acc[j * HV + x] * alpha;
       // Only keys this query sees: a masked key's value (before a sliding window, or past
@@ -323,7 +353,7 @@ void RunItemKeysInLanes(const Problem<E>& p, const Item& it, Queries& qs, std::v
       for (int64_t c = 0; c < valid; ++c) {
         const float pc = e[c];
         if (pc == 0.0f) continue;
-        const V16u* vrow = reinterpret_cast<const V16u*>(vrows[c]);
+        const VLu* vrow = reinterpret_cast<const VLu*>(vrows[c]);
 #pragma GCC unroll 16
         for (int64_t x = 0; x < HV; ++x) a[x] += pc * vrow[x];
       }
@@ -334,38 +364,38 @@ void RunItemKeysInLanes(const Problem<E>& p, const Item& it, Queries& qs, std::v
   StoreOutputs(p, it, H, reinterpret_cast<const float*>(acc), l.data());
 }
 
-// Many query vectors (prefill): 16 queries in the lanes of a vector. The queries are
-// transposed once per item; a key's scores against 16 queries are then H FMAs, and
+// Many query vectors (prefill): kLanes queries in the lanes of a vector. The queries are
+// transposed once per item; a key's scores against kLanes queries are then H FMAs, and
 // the online softmax runs on whole vectors (no lane sums).
 template <int H, typename E>
-void RunItemQueriesInLanes(const Problem<E>& p, const Item& it, Queries& qs, std::vector<V16>& scratch) {
-  constexpr int64_t HV = H / 16;
+void RunItemQueriesInLanes(const Problem<E>& p, const Item& it, Queries& qs, std::vector<VL>& scratch) {
+  constexpr int64_t HV = H / kLanes;
   const int64_t nq = qs.count;
-  const int64_t groups = (nq + 15) / 16;  // query vectors of 16 lanes
-  // Scratch: qT [groups, H] (query lanes per channel), acc [groups·16, HV],
+  const int64_t groups = (nq + kLanes - 1) / kLanes;  // query vectors of kLanes lanes
+  // Scratch: qT [groups, H] (query lanes per channel), acc [groups·kLanes, HV],
   // m, l, pos, lo [groups], p [kChunk] (one chunk's probabilities of a group), then
   // (fp8) the chunk's widened rows [2 · kChunk, H].
-  scratch.assign(groups * H + groups * 16 * HV + 4 * groups + kChunk +
+  scratch.assign(groups * H + groups * kLanes * HV + 4 * groups + kChunk +
                      (kWidened<E> ? 2 * kChunk * HV : 0),
-                 V16{});
-  V16* qT = scratch.data();
-  V16* acc = qT + groups * H;
-  V16* m = acc + groups * 16 * HV;
-  V16* l = m + groups;
-  V16* posv = l + groups;
-  V16* lov = posv + groups;
-  V16* prob = lov + groups;
+                 VL{});
+  VL* qT = scratch.data();
+  VL* acc = qT + groups * H;
+  VL* m = acc + groups * kLanes * HV;
+  VL* l = m + groups;
+  VL* posv = l + groups;
+  VL* lov = posv + groups;
+  VL* prob = lov + groups;
   float* staging = reinterpret_cast<float*>(prob + kChunk);
   for (int64_t gi = 0; gi < groups; ++gi) {
-    m[gi] = V16{} + kMask;
-    posv[gi] = V16{} - 1.0f;  // lanes past nq see no key
-    lov[gi] = V16{};
+    m[gi] = VL{} + kMask;
+    posv[gi] = VL{} - 1.0f;  // lanes past nq see no key
+    lov[gi] = VL{};
   }
   for (int64_t j = 0; j < nq; ++j) {
-    float* lanes = reinterpret_cast<float*>(qT + (j / 16) * H);
-    for (int64_t h = 0; h < H; ++h) lanes[h * 16 + j % 16] = qs.q[j * H + h];
-    posv[j / 16][j % 16] = qs.pos[j];
-    lov[j / 16][j % 16] = qs.lo[j];
+    float* lanes = reinterpret_cast<float*>(qT + (j / kLanes) * H);
+    for (int64_t h = 0; h < H; ++h) lanes[h * kLanes + j % kLanes] = qs.q[j * H + h];
+    posv[j / kLanes][j % kLanes] = qs.pos[j];
+    lov[j / kLanes][j % kLanes] = qs.lo[j];
   }
   const float* krows[kChunk];
   const float* vrows[kChunk];
@@ -373,13 +403,13 @@ void RunItemQueriesInLanes(const Problem<E>& p, const Item& it, Queries& qs, std
     const int64_t valid = std::min<int64_t>(kChunk, qs.key_hi + 1 - base);  // later keys: never read
     ChunkRows(p, it, H, base, valid, staging, krows, vrows);
     for (int64_t gi = 0; gi < groups; ++gi) {
-      const V16* qg = qT + gi * H;
-      V16 s[kChunk];
-      V16 block_max = V16{} + kMask;
+      const VL* qg = qT + gi * H;
+      VL s[kChunk];
+      VL block_max = VL{} + kMask;
       for (int64_t c = 0; c < valid; ++c) {
         // Four independent sums: one chain of H dependent FMAs waits on their latency.
         const float* k = krows[c];
-        V16 s0 = {}, s1 = {}, s2 = {}, s3 = {};
+        VL s0 = {}, s1 = {}, s2 = {}, s3 = {};
 #pragma GCC unroll 4
         for (int64_t h = 0; h < H; h += 4) {
           s0 += k[h] * qg[h];
@@ -387,36 +417,36 @@ void RunItemQueriesInLanes(const Problem<E>& p, const Item& it, Queries& qs, std
           s2 += k[h + 2] * qg[h + 2];
           s3 += k[h + 3] * qg[h + 3];
         }
-        V16 sc = (s0 + s1) + (s2 + s3);
+        VL sc = (s0 + s1) + (s2 + s3);
         if (p.soft_cap > 0.0f)
-          for (int64_t z = 0; z < 16; ++z) sc[z] = p.soft_cap * std::tanh(sc[z] / p.soft_cap);
+          for (int64_t z = 0; z < kLanes; ++z) sc[z] = p.soft_cap * std::tanh(sc[z] / p.soft_cap);
         const float kp = static_cast<float>(base + c);
-        sc = (kp <= posv[gi]) & (kp >= lov[gi]) ? sc : V16{} + kMask;
+        sc = (kp <= posv[gi]) & (kp >= lov[gi]) ? sc : VL{} + kMask;
         s[c] = sc;
         block_max = block_max > sc ? block_max : sc;
       }
-      const V16 m_new = m[gi] > block_max ? m[gi] : block_max;
-      const V16 alpha = ExpNonPositive(m[gi] - m_new);  // m == kMask: acc and l are 0 anyway
-      V16 sum = {};
+      const VL m_new = m[gi] > block_max ? m[gi] : block_max;
+      const VL alpha = ExpNonPositive(m[gi] - m_new);  // m == kMask: acc and l are 0 anyway
+      VL sum = {};
       for (int64_t c = 0; c < valid; ++c) {
-        const V16 e = ExpNonPositive(s[c] - m_new);
-        prob[c] = s[c] > kMask ? e : V16{};  // masked, even where m_new is still kMask: 0
+        const VL e = ExpNonPositive(s[c] - m_new);
+        prob[c] = s[c] > kMask ? e : VL{};  // masked, even where m_new is still kMask: 0
         sum += prob[c];
       }
       l[gi] = l[gi] * alpha + sum;
       m[gi] = m_new;
-      const int64_t lanes = std::min<int64_t>(16, nq - gi * 16);
+      const int64_t lanes = std::min<int64_t>(kLanes, nq - gi * kLanes);
       for (int64_t z = 0; z < lanes; ++z) {
-        V16* aj = acc + (gi * 16 + z) * HV;
-        V16 a[HV];
+        VL* aj = acc + (gi * kLanes + z) * HV;
+        VL a[HV];
         const float az = alpha[z];
 #pragma GCC unroll 16
         for (int64_t x = 0; x < HV; ++x) a[x] = aj[x] * az;
         const float* pz = reinterpret_cast<const float*>(prob) + z;
         for (int64_t c = 0; c < valid; ++c) {  // only visible keys: see RunItemKeysInLanes
-          const float pc = pz[c * 16];
+          const float pc = pz[c * kLanes];
           if (pc == 0.0f) continue;
-          const V16u* vrow = reinterpret_cast<const V16u*>(vrows[c]);
+          const VLu* vrow = reinterpret_cast<const VLu*>(vrows[c]);
 #pragma GCC unroll 16
           for (int64_t x = 0; x < HV; ++x) a[x] += pc * vrow[x];
         }
@@ -426,12 +456,12 @@ void RunItemQueriesInLanes(const Problem<E>& p, const Item& it, Queries& qs, std
     }
   }
   std::vector<float> lsum(nq);
-  for (int64_t j = 0; j < nq; ++j) lsum[j] = l[j / 16][j % 16];
+  for (int64_t j = 0; j < nq; ++j) lsum[j] = l[j / kLanes][j % kLanes];
   StoreOutputs(p, it, H, reinterpret_cast<const float*>(acc), lsum.data());
 }
 
 template <int H, typename E>
-void RunItem(const Problem<E>& p, const Item& it, Queries& qs, std::vector<V16>& scratch) {
+void RunItem(const Problem<E>& p, const Item& it, Queries& qs, std::vector<VL>& scratch) {
   static_assert(H % 16 == 0, "head_dim must be a multiple of 16");
   LoadQueries(p, it, H, qs);
   if (qs.count >= kQueriesInLanesAt)
@@ -442,7 +472,7 @@ void RunItem(const Problem<E>& p, const Item& it, Queries& qs, std::vector<V16>&
 
 template <typename E>
 void RunItems(const Problem<E>& p, const std::vector<Item>& items, std::atomic<int64_t>& next) {
-  std::vector<V16> scratch;
+  std::vector<VL> scratch;
   Queries qs;
   for (int64_t i = next.fetch_add(1); i < static_cast<int64_t>(items.size()); i = next.fetch_add(1)) {
     switch (p.head_dim) {
