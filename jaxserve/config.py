@@ -65,6 +65,21 @@ def kv_cache_dtype_name(kv_cache_dtype: str, dtype: str) -> str:
     return dtype if kv_cache_dtype == "auto" else "float8_e4m3fn"
 
 
+def check_kv_cache_fits(num_kv_blocks: int, block_size: int, max_model_len: int) -> None:
+    """Raises ValueError (one line, naming the flags to change) unless one sequence of
+    ``max_model_len`` tokens fits the cache's ``num_kv_blocks`` blocks of ``block_size``
+    tokens less the reserved null block: a longer sequence could never finish, even alone.
+    The worker checks it once the cache is sized, before compiling the model bodies; the
+    engine again on the worker's reported geometry."""
+    usable = (num_kv_blocks - 1) * block_size
+    if usable < max_model_len:
+        raise ValueError(
+            f"the KV cache holds {usable} tokens ({num_kv_blocks - 1} usable block(s) of "
+            f"{block_size}), fewer than max_model_len={max_model_len}: raise --num-kv-blocks "
+            f"/ --kv-cache-bytes or lower --max-model-len (LLM: num_kv_blocks / "
+            f"kv_cache_bytes, max_model_len)")
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class RopeScaling:
     """Llama-3 style RoPE frequency scaling.

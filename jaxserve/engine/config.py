@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxserve.compressed_tensors import resolve_quantization
-from jaxserve.config import check_kv_cache_dtype, check_quantization
+from jaxserve.config import check_kv_cache_dtype, check_kv_cache_fits, check_quantization
 from jaxserve.step_plan import Geometry, WorkerInit
 
 # The parameter dtypes every attention backend serves: the CPU kernel (bfloat16
@@ -399,18 +399,12 @@ class EngineConfig:
         Raises:
           ValueError: the geometry disagrees with the request (block size), or
             one sequence of ``max_model_len`` tokens would not fit the cache
-            (it could then never finish, even alone).
+            (``jaxserve.config.check_kv_cache_fits``).
         """
         if geometry.block_size != self.cache.block_size:
             raise ValueError(f"worker block size {geometry.block_size} != "
                              f"{self.cache.block_size}")
-        usable = (geometry.num_kv_blocks - 1) * geometry.block_size
-        if usable < geometry.max_model_len:
-            raise ValueError(
-                f"the KV cache holds {usable} tokens ({geometry.num_kv_blocks - 1} usable "
-                f"block(s) of {geometry.block_size}), fewer than max_model_len="
-                f"{geometry.max_model_len}: raise --num-kv-blocks / --kv-cache-bytes or lower "
-                f"--max-model-len (LLM: num_kv_blocks / kv_cache_bytes, max_model_len)")
+        check_kv_cache_fits(geometry.num_kv_blocks, geometry.block_size, geometry.max_model_len)
         return dataclasses.replace(
             self, max_model_len=geometry.max_model_len, eos_token_ids=geometry.eos_token_ids,
             cache=dataclasses.replace(self.cache, num_kv_blocks=geometry.num_kv_blocks))

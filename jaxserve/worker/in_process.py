@@ -69,7 +69,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jaxserve.compressed_tensors import resolve_quantization
-from jaxserve.config import kv_cache_dtype_name
+from jaxserve.config import check_kv_cache_fits, kv_cache_dtype_name
 from jaxserve.model import quantization as quant, sharding
 from jaxserve.model.attention import check_backend, default_backend
 from jaxserve.model.kv_cache import (KVCache, init_kv_cache, is_fp8, kv_cache_bytes_per_block,
@@ -236,6 +236,7 @@ class InProcessWorker:
             num_blocks = int(multihost_utils.process_allgather(np.int64(num_blocks)).min())
         if num_blocks < 2:
             raise ValueError(f"the KV cache must have >= 2 blocks, got {num_blocks}")
+        check_kv_cache_fits(num_blocks, init.block_size, max_model_len)  # before the bodies compile
         self.kv_cache = init_kv_cache(config, num_blocks, init.block_size, cache_dtype,
                                       stacked=init.scan_layers, mesh=self.mesh, scales=scales)
         self.draft_kv_cache = None if self.draft is None else init_kv_cache(

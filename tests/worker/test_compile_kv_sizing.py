@@ -113,6 +113,29 @@ def test_worker_sizes_its_cache_from_reported_device_memory(tiny, monkeypatch, p
         assert report.num_backend_compiles == report.num_executables
 
 
+def test_a_cache_too_small_for_one_sequence_is_refused_before_the_bodies_compile(tiny,
+                                                                                 monkeypatch):
+    """3 blocks of 8 hold 16 tokens, not max_model_len=128: the worker says so once the
+    cache is sized, and compiles no model body first (they take most of a start-up)."""
+    kinds = []
+    compile_all = in_process.compile_all
+
+    def recording(executables, **kw):
+        kinds.extend(e.kind for e in executables)
+        return compile_all(executables, **kw)
+
+    monkeypatch.setattr(in_process, "compile_all", recording)
+    init = WorkerInit(model=None, dtype="float32", block_size=8, num_kv_blocks=3,
+                      kv_cache_bytes=None, max_num_seqs=4, max_model_len=128,
+                      token_buckets=(1, 8, 32), request_buckets=(1, 4), precompile=True)
+    with pytest.raises(ValueError) as err:
+        InProcessWorker(tiny, progress=False).initialize(init)
+    assert str(err.value).startswith("the KV cache holds 16 tokens (2 usable block(s) of 8), "
+                                     "fewer than max_model_len=128")
+    assert "--num-kv-blocks" in str(err.value)
+    assert kinds and "body" not in kinds  # the samplers and row writes did compile
+
+
 def test_utilization_is_a_fraction_of_total_device_memory(monkeypatch):
     """As vLLM's --gpu-memory-utilization: of the GPU's total, capped by JAX's pool."""
     import types
