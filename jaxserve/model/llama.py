@@ -123,7 +123,7 @@ def linear(x: jax.Array, kernel: jax.Array, scale: jax.Array | None = None, *,
     XLA's fp8 dot everywhere (``quantization.matmul_fp8``).
 
     On the CPU, a float32 product of at most ``cpu_kernels.matmul_max_rows()``
-    rows (128 with AVX-512, 8 without) runs the C++ kernel (``cpu_kernels.matmul``)
+    rows (128 with AVX-512, 32 without) runs the C++ kernel (``cpu_kernels.matmul``)
     where it builds: it reads
     the kernel in place, where XLA's CPU product of 2 to 32 rows runs far below
     memory speed and repacks the kernel for every product of more. Everything

@@ -82,7 +82,7 @@ def _uses_kernel(x, w, **kwargs) -> bool:
 
 def test_the_row_cut_follows_the_builds_vector_width():
     """-march=native: the library has the AVX-512 forms (16 lanes) exactly where the CPU has
-    AVX-512F (/proc/cpuinfo); without them (8 lanes) float32 products of more than 8 rows
+    AVX-512F (/proc/cpuinfo); without them (8 lanes) float32 products of more than 32 rows
     and quantized ones of more than 64 go to XLA."""
     flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
     assert cpu_kernels.has_avx512() == ("avx512f" in flags)
