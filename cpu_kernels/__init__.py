@@ -76,8 +76,8 @@ MATMUL_MAX_ROWS = 128
 # 49152 x 576: float32 at 8 rows 0.46 / 0.67, 0.20 / 0.56, 7.5 / 12.4; at 16 rows 1.03 /
 # 0.70, 0.52 / 0.78, 15.3 / 23.6. Against the jnp form, int8 at 32 rows 1.41 / 1.67,
 # 0.94 / 1.49, 24.9 / 68.9; at 64 rows 4.25 / 3.92, 1.49 / 1.62, 48.9 / 76.7 (int4 alike).
-# Alone, XLA's float32 product is the faster from 16 rows there; inside the served step it
-# is not: XLA fuses the step's products into YNNPACK fusions that ran at half the speed of
+# Alone, XLA's float32 product is the faster there from 16 rows for qkv, from 32 for the LM
+# head, from 64 for all three; inside the served step it is not: XLA fuses the step's products into YNNPACK fusions that ran at half the speed of
 # the products alone. The demo model's decode step, products' ms a step (step_profile,
 # mean over the run), XLA / C++: 16 rows 154 / 68, 32 rows 245 / 118, 64 rows 175 / 258.
 # There a float32 product takes at most the first many rows, an int8 or int4 one the second.

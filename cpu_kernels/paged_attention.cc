@@ -57,7 +57,7 @@ constexpr int kLanes = 8;
 #endif
 // Keys per score vector.
 constexpr int64_t kChunk = kLanes;
-// Query vectors per item from which they go 16 to a vector (RunItemQueriesInLanes).
+// Query vectors per item from which they go kLanes to a vector (RunItemQueriesInLanes).
 constexpr int kQueriesInLanesAt = 12;
 // Multiply-adds below which a call runs on the calling thread alone: ~20 µs of one core's
 // vector work, about what waking a pool thread and waiting for it costs. A decode row of
@@ -102,7 +102,7 @@ constexpr bool kWidened = !std::is_same_v<E, float>;
 
 typedef uint8_t U8x16u __attribute__((vector_size(16), aligned(1), may_alias));
 
-// 16 float8_e4m3fn values from src as float32 at dst (64-byte aligned), exactly, with no
+// 16 float8_e4m3fn values from src as float32 at dst (32-byte aligned), exactly, with no
 // float32 subnormal on the way: XLA runs custom calls with denormals flushed (DAZ and FTZ
 // on its threads), so a subnormal float32 operand reads as 0 (the shortcut of shifting
 // the fp8 bits into a float32 and multiplying by 2^120 lost every fp8 subnormal).

@@ -24,8 +24,9 @@ weights. Kernels are stored ``[out, in]``, as PyTorch's ``nn.Linear`` and the
 checkpoints store them (``linear``): on the CPU, XLA's products of 16 to 64
 rows ran 11–21 % faster against ``[out, in]`` kernels than against
 ``[in, out]`` ones in a 30-layer chain of the demo model's shapes, and equal
-within noise at 1 to 8 rows (docs/model.md). Products of fewer than 64 rows on
-the CPU run the C++ kernel ``cpu_kernels.matmul``, which reads that layout too.
+within noise at 1 to 8 rows (docs/model.md). Float32 products of up to 128 rows
+on the CPU (32 without AVX-512) run the C++ kernel ``cpu_kernels.matmul``, which reads
+that layout too.
 
 Built with ``quantization="int8"`` (weight-only int8, ``jaxserve.model.quantization``),
 every kernel above, the embedding and the LM head are int8 ``[out, in]`` with a

@@ -137,7 +137,9 @@ class InProcessWorker:
         Raises:
           ValueError: a KV cache of fewer than 2 blocks, a ladder above the
             limits (T above the token budget is fine; R above max_num_seqs not),
-            or fp8 on a device without fp8 matrix units (``quantization.check_platform``).
+            or fp8 on a device without fp8 matrix units (``quantization.check_platform``),
+            or a cache that cannot hold one sequence of max_model_len tokens
+            (``jaxserve.config.check_kv_cache_fits``, before the bodies compile).
         """
         start = time.perf_counter()
         init = dataclasses.replace(  # quantization: a pre-quantized checkpoint's own method

@@ -247,7 +247,7 @@ def test_concurrent_calls_on_several_devices():
 
 
 def test_nan_outside_the_sliding_window_does_not_leak():
-    """Keys before a query's window are read (the 16-key chunk starts below it) but must
+    """Keys before a query's window are read (its key chunk starts below it) but must
     not contribute: a NaN value there (a freed or never-written slot) stays out, as in the
     reference. Both layouts: a 16-token prefill (queries in lanes) and a decode row."""
     rng = np.random.default_rng(1)

@@ -105,8 +105,10 @@ def test_linear_uses_the_kernel_for_few_float32_rows_only():
     assert cpu_kernels.MATMUL_TARGET not in text and "dot_general" in text
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 16, 64, cpu_kernels.MATMUL_MAX_ROWS,
-                               cpu_kernels.MATMUL_MAX_ROWS + 1])
+@pytest.mark.parametrize("m", sorted({1, 2, 3, 16, 64, cpu_kernels.MATMUL_MAX_ROWS,
+                                      cpu_kernels.MATMUL_MAX_ROWS + 1,
+                                      cpu_kernels.matmul_max_rows(),
+                                      cpu_kernels.matmul_max_rows() + 1}))
 def test_linear_agrees_with_xla_on_either_side_of_the_threshold(m):
     x, w = _operands(m, 96, 64, seed=7)
     out = np.asarray(jax.jit(linear)(jnp.asarray(x), jnp.asarray(w)))
