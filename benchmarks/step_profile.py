@@ -27,6 +27,7 @@ from typing import Any
 
 from benchmarks import common, offline_throughput
 from benchmarks.jaxserve_leg import add_arguments as jaxserve_leg_arguments
+from jaxserve.config import QUANTIZATION_METHODS
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, default=None, help="fixed output length")
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
-    parser.add_argument("--quantization", default=None, choices=("int8", "int4", "fp8"),
+    parser.add_argument("--quantization", default=None, choices=QUANTIZATION_METHODS,
                         help="weight quantization (default: float weights; docs/model.md)")
 
 

@@ -77,9 +77,10 @@ MATMUL_MAX_ROWS = 128
 # 0.70, 0.52 / 0.78, 15.3 / 23.6. Against the jnp form, int8 at 32 rows 1.41 / 1.67,
 # 0.94 / 1.49, 24.9 / 68.9; at 64 rows 4.25 / 3.92, 1.49 / 1.62, 48.9 / 76.7 (int4 alike).
 # Alone, XLA's float32 product is the faster there from 16 rows for qkv, from 32 for the LM
-# head, from 64 for all three; inside the served step it is not: XLA fuses the step's products into YNNPACK fusions that ran at half the speed of
-# the products alone. The demo model's decode step, products' ms a step (step_profile,
-# mean over the run), XLA / C++: 16 rows 154 / 68, 32 rows 245 / 118, 64 rows 175 / 258.
+# head, from 64 for all three; inside the served step it is not: its YNNPACK fusions there
+# ran at half the speed of the products alone. The demo model's decode step, products' ms
+# a step (step_profile, mean over the run), XLA / C++: 16 rows 154 / 68, 32 rows 245 /
+# 118, 64 rows 175 / 258.
 # There a float32 product takes at most the first many rows, an int8 or int4 one the second.
 MATMUL_MAX_ROWS_8_LANES = 32
 MATMUL_MAX_ROWS_8_LANES_QUANTIZED = 64
