@@ -48,7 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.token_buckets:
         args.token_buckets = demo.demo_token_buckets(args.max_num_batched_tokens)
     from jaxserve.launcher import Launcher
-    from jaxserve.procutil import free_port
+    from jaxserve.procutil import free_port, keep_torch_out
+
+    keep_torch_out()  # as jaxserve demo's own process
 
     launcher = Launcher(serve_options(args, port=free_port(args.host), metrics_port=0))
     start = time.monotonic()

@@ -68,7 +68,7 @@ from jaxserve.api.runner import RequestRunner
 from jaxserve.generation_config import AUTO, generation_config_source, load_sampling_defaults
 from jaxserve.launcher import API_KEY_ENV, READY_LINE
 from jaxserve.metrics import ServerMetrics
-from jaxserve.procutil import die_with_launcher, setup_logging
+from jaxserve.procutil import die_with_launcher, keep_torch_out, setup_logging
 from jaxserve.proto import generate_pb2 as pb
 from jaxserve.proto import generate_pb2_grpc as pb_grpc
 from jaxserve.status_details import status_details
@@ -406,6 +406,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     die_with_launcher()  # first: a launcher that dies from now on takes this process along
+    keep_torch_out()  # before anything imports transformers
     parser = build_parser()
     args = parser.parse_args(argv)
     if bool(args.ssl_certfile) != bool(args.ssl_keyfile):

@@ -41,8 +41,9 @@ def run(args: argparse.Namespace) -> int:
     from jaxserve.commands.serve import serve_options
     from jaxserve.demo_model import DemoModelError
     from jaxserve.launcher import Launcher, ServerExited
-    from jaxserve.procutil import StopSignal, free_port
+    from jaxserve.procutil import StopSignal, free_port, keep_torch_out
 
+    keep_torch_out()  # this process only launches: before transformers reads the model's files
     if not args.token_buckets:
         args.token_buckets = demo_token_buckets(args.max_num_batched_tokens)
     stop = StopSignal()

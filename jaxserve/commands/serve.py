@@ -113,8 +113,9 @@ def serve_options(args: argparse.Namespace, **overrides: object):
 def run(args: argparse.Namespace) -> int:
     from jaxserve.demo_model import DemoModelError
     from jaxserve.launcher import Launcher, ServerExited
-    from jaxserve.procutil import StopSignal
+    from jaxserve.procutil import StopSignal, keep_torch_out
 
+    keep_torch_out()  # this process only launches: before transformers reads the model's files
     if bool(args.ssl_certfile) != bool(args.ssl_keyfile):
         logger.error("--ssl-certfile and --ssl-keyfile go together")
         return 2

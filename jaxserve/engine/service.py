@@ -62,7 +62,8 @@ from jaxserve.engine.core import EngineCore
 from jaxserve.engine.grpc_worker import GrpcWorker, start_worker_process
 from jaxserve.engine.loop import EngineDeadError, EngineLoop, OutputBatch
 from jaxserve.engine.worker_group import WorkerGroup
-from jaxserve.procutil import StopSignal, die_with_launcher, setup_logging, shutdown_grace
+from jaxserve.procutil import (StopSignal, die_with_launcher, keep_torch_out, setup_logging,
+                               shutdown_grace)
 from jaxserve.proto import engine_pb2 as epb
 from jaxserve.proto import engine_pb2_grpc as epb_grpc
 from jaxserve.proto.engine_convert import add_outputs, request_from_proto, stats_to_proto
@@ -496,6 +497,7 @@ def worker_restarter(args: argparse.Namespace):
 
 def main(argv: Sequence[str] | None = None) -> int:
     die_with_launcher()  # first: a launcher that dies from now on takes this process along
+    keep_torch_out()  # before anything imports transformers
     parser = argparse.ArgumentParser(prog="python -m jaxserve.engine.service", allow_abbrev=False,
                                      description="jaxserve's engine process")
     parser.add_argument("--address", required=True, help="HOST:PORT to serve EngineService on")

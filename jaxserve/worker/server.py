@@ -54,7 +54,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from jaxserve import plan_codec
-from jaxserve.procutil import StopSignal, die_with_launcher, setup_logging, shutdown_grace
+from jaxserve.procutil import (StopSignal, die_with_launcher, keep_torch_out, setup_logging,
+                               shutdown_grace)
 from jaxserve.proto import worker_pb2 as wpb
 from jaxserve.proto import worker_pb2_grpc as wpb_grpc
 from jaxserve.status_details import error_details, status_details
@@ -378,6 +379,7 @@ def leave_hosts(timeout: float = LEAVE_TIMEOUT_S) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     die_with_launcher()  # first: a launcher that dies from now on takes this process along
+    keep_torch_out()  # before anything imports transformers
     parser = argparse.ArgumentParser(prog="python -m jaxserve.worker.server", allow_abbrev=False,
                                      description="jaxserve's worker (device) process")
     parser.add_argument("--address", required=True,

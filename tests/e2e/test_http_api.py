@@ -65,6 +65,20 @@ def test_models_health_tokenize_detokenize(api_server, http):
     assert chat["count"] > tokens["count"]
 
 
+def test_no_server_process_loads_torch(api_server):
+    # keep_torch_out (jaxserve.procutil): transformers would import torch (~2 s a process)
+    # for the tokenizer and the configs. The control: the api process loaded the tokenizer.
+    libraries = {}
+    for name, proc in api_server.processes.items():
+        with open(f"/proc/{proc.pid}/maps") as maps:
+            libraries[name] = {line.split()[-1].rsplit("/", 1)[-1] for line in maps if "/" in line}
+    assert "tokenizers.abi3.so" in libraries["api"]
+    assert "worker" in libraries, sorted(libraries)
+    torch_libraries = {name: sorted(lib for lib in libs if lib.startswith(("libtorch", "libc10")))
+                       for name, libs in libraries.items()}
+    assert torch_libraries == {name: [] for name in libraries}
+
+
 def test_completions_whole_and_streamed_match_grpc(oai, grpc_client):
     whole = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0,
                                    logprobs=2, extra_body={"return_tokens_as_token_ids": True})
