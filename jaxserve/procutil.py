@@ -61,7 +61,8 @@ def keep_torch_out() -> None:
     model's tokenizer and config took 5.0 s with torch installed, 1.7 s with it blocked.
     Called first thing by the server processes (api, engine, worker) and by the
     ``jaxserve serve`` and ``jaxserve demo`` commands (which launch them), never in a
-    user's process (``LLM``, ``Launcher``), which may use torch itself.
+    user's process (``LLM``, ``Launcher``), which may use torch itself. The block lasts
+    for the life of the process: call it only where nothing will want torch.
     """
     sys.modules.setdefault("torch", None)
 

@@ -297,7 +297,7 @@ def serve(address: str, *, exit_with_parent: bool = False,
         from jaxserve.worker.in_process import InProcessWorker  # jax, flax, the model code
 
         # The config reader and the supported architectures' config classes: imported
-        # here, at process start, rather than inside Initialize (torch alone takes ~2 s).
+        # here, at process start, rather than inside Initialize (~1 s without torch).
         from transformers import (AutoConfig, LlamaConfig, MistralConfig,  # noqa: F401
                                   Qwen2Config, Qwen3Config)
         make_worker = InProcessWorker

@@ -73,13 +73,16 @@ def test_metrics_of_a_paced_server(paced):
     assert sorted(map(tuple, servicer.prompts)) == sorted(workload.prompts)
     m = summarize(records, duration)
     assert m["completed"] == 6 and m["failed"] == 0 and m["output_tokens"] == 36
-    # 3 waves of 2: each request takes FIRST_S + 5 * TOKEN_S = 0.15 s
+    # 3 waves of 2: each request takes FIRST_S + 5 * TOKEN_S = 0.15 s. The fake's sleeps
+    # only overshoot, by more on a loaded machine (the suite runs two test processes), so
+    # the bounds are tight below (units and definitions) and loose above.
     assert 0.45 <= duration < 0.45 + 0.5
     assert m["output_throughput"] == pytest.approx(36 / duration)
-    assert m["ttft_ms"]["p50"] == pytest.approx(1e3 * FIRST_S, abs=30)
-    assert m["tpot_ms"]["p50"] == pytest.approx(1e3 * TOKEN_S, abs=10)
-    assert m["itl_ms"]["p50"] == pytest.approx(1e3 * TOKEN_S, abs=10)
-    assert m["e2e_ms"]["p50"] == pytest.approx(1e3 * (FIRST_S + 5 * TOKEN_S), abs=40)
+    assert 1e3 * FIRST_S - 5 <= m["ttft_ms"]["p50"] <= 1e3 * FIRST_S + 60
+    assert 1e3 * TOKEN_S - 5 <= m["tpot_ms"]["p50"] <= 1e3 * TOKEN_S + 25
+    assert 1e3 * TOKEN_S - 5 <= m["itl_ms"]["p50"] <= 1e3 * TOKEN_S + 25
+    e2e = 1e3 * (FIRST_S + 5 * TOKEN_S)
+    assert e2e - 5 <= m["e2e_ms"]["p50"] <= e2e + 80
     for r in records:  # TPOT's definition, per request
         assert r.tpot == pytest.approx((r.e2e - r.ttft) / 5)
         assert len(r.itl) == 5 and r.output_tokens == 6

@@ -29,6 +29,7 @@ The official ``openai`` client (sync and async) and raw ``httpx`` talk to it.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import re
 
@@ -67,13 +68,15 @@ def test_models_health_tokenize_detokenize(api_server, http):
 
 def test_no_server_process_loads_torch(api_server):
     # keep_torch_out (jaxserve.procutil): transformers would import torch (~2 s a process)
-    # for the tokenizer and the configs. The control: the api process loaded the tokenizer.
+    # for the tokenizer and the configs, and did (libtorch mapped in the api and worker
+    # processes) before the block. torch is installed here (the test extra), so the check
+    # means something.
+    assert importlib.util.find_spec("torch") is not None
     libraries = {}
     for name, proc in api_server.processes.items():
         with open(f"/proc/{proc.pid}/maps") as maps:
             libraries[name] = {line.split()[-1].rsplit("/", 1)[-1] for line in maps if "/" in line}
-    assert "tokenizers.abi3.so" in libraries["api"]
-    assert "worker" in libraries, sorted(libraries)
+    assert {"api", "worker"} <= set(libraries), sorted(libraries)
     torch_libraries = {name: sorted(lib for lib in libs if lib.startswith(("libtorch", "libc10")))
                        for name, libs in libraries.items()}
     assert torch_libraries == {name: [] for name in libraries}
