@@ -8,6 +8,8 @@ thread; an engine left running keeps compiling beside the tests after it
 
 from __future__ import annotations
 
+import threading
+
 from jaxserve.engine import EngineCore, EngineCoreRequest
 
 _ENGINES: list[EngineCore] = []
@@ -24,6 +26,15 @@ def shut_down_tracked() -> None:
     after each test)."""
     while _ENGINES:
         _ENGINES.pop().shutdown()
+
+
+def join_background_compiles() -> None:
+    """Waits for every background-compile thread of this process, earlier tests' workers'
+    too: the backend-compile count a test compares (``compile_manager.COUNTER``) is
+    process-wide, and another test's thread still compiling would add to it."""
+    for thread in threading.enumerate():
+        if thread.name == "background-compile":
+            thread.join()
 
 
 def run_engine(engine: EngineCore, requests) -> tuple[dict, dict]:

@@ -11,7 +11,6 @@ mix every sampling feature, n > 1, aborts, chunked prefill and preemption.
 from __future__ import annotations
 
 import random
-import threading
 
 import jax
 import numpy as np
@@ -27,6 +26,7 @@ from jaxserve.worker.compile_manager import COUNTER, RecompileGuard
 from jaxserve.worker.executables import BACKGROUND_VARIANTS
 from jaxserve.worker.sampler import COMPILED_VARIANTS
 from tests.model.hf_tiny import make_tiny_model
+from tests.worker.engine_runs import join_background_compiles
 
 VOCAB = 256
 T_LADDER, R_LADDER = (1, 4, 8, 16, 32, 64), (1, 2, 4, 8, 16)
@@ -66,10 +66,7 @@ def test_500_random_requests_compile_nothing_after_warm_up(tiny):
     assert report.by_kind == {"body": len(T_LADDER),
                               "sampler": (len(COMPILED_VARIANTS) - len(BACKGROUND_VARIANTS))
                               * len(R_LADDER), "rows": len(R_LADDER) + 1}
-    worker.background_compile.join()
-    for thread in threading.enumerate():  # any other worker's of this process, too
-        if thread.name == "background-compile":
-            thread.join()
+    join_background_compiles()  # this worker's, and any other's of this process
     samplers = [name for name in worker.functions if name.startswith("sampler[")]
     # The step executables: |T| + |variants| x |R|, not a product with T.
     assert len(samplers) == len(COMPILED_VARIANTS) * len(R_LADDER)
