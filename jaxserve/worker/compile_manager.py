@@ -54,10 +54,32 @@ logger = logging.getLogger(__name__)
 
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+BACKGROUND_COMPILE_THREAD = "background-compile"  # the name of ``BackgroundCompile``'s thread
+
+
+class Tally:
+    """Counts of executables obtained by the threads that count into it
+    (``_CompileCounter.count_into``); safe to add to from several threads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.compiles = 0
+        self.cache_hits = 0
+
+    def add(self, compiles: int = 0, cache_hits: int = 0) -> None:
+        with self._lock:
+            self.compiles += compiles
+            self.cache_hits += cache_hits
 
 
 class _CompileCounter:
-    """Process-wide and per-thread counts of executables JAX obtained (one listener)."""
+    """Process-wide and per-thread counts of executables JAX obtained (one listener).
+
+    JAX reports a compile and a persistent-cache hit on the thread that asked for the
+    executable, so a count per thread (``thread_compiles``) or per group of threads
+    (``count_into``) sees only its own threads' executables, whatever else the process
+    compiles meanwhile (another worker's background compiles, say).
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -77,11 +99,15 @@ class _CompileCounter:
             self.recent.append(name)
         self._local.compiles = self.thread_compiles() + 1
         self._local.names = getattr(self._local, "names", []) + [name]
+        if (tally := self.tally()) is not None:
+            tally.add(compiles=1)
 
     def _on_event(self, event: str, **kwargs) -> None:
         if event == CACHE_HIT_EVENT:
             with self._lock:
                 self.cache_hits += 1
+            if (tally := self.tally()) is not None:
+                tally.add(cache_hits=1)
 
     def thread_compiles(self) -> int:
         """Executables obtained by the calling thread so far."""
@@ -90,6 +116,14 @@ class _CompileCounter:
     def thread_names(self, since: int) -> list[str]:
         """Names of the calling thread's executables from its ``since``-th on."""
         return getattr(self._local, "names", [])[since:]
+
+    def tally(self) -> Tally | None:
+        """The ``Tally`` the calling thread counts into (None: none)."""
+        return getattr(self._local, "tally", None)
+
+    def count_into(self, tally: Tally | None) -> None:
+        """Adds the calling thread's executables from now on to ``tally`` (None: stop)."""
+        self._local.tally = tally
 
 
 COUNTER = _CompileCounter()
@@ -312,8 +346,8 @@ class CompileReport:
       num_executables: executables of the ladder (each compiled or loaded once).
       by_kind: how many of each kind.
       seconds: wall time, tracing and lowering included.
-      num_backend_compiles: XLA executables obtained (compiled or loaded),
-        small helper computations included.
+      num_backend_compiles: XLA executables obtained (compiled or loaded) by
+        the call's own threads, small helper computations included.
       num_cache_hits: of those, loaded from the persistent cache.
       num_programs_loaded: executables whose traced program came from the
         program store (no tracing, no lowering of the model's Python).
@@ -373,7 +407,10 @@ def compile_all(executables: Sequence[StepExecutable], *, progress: bool = True,
     from tqdm.auto import tqdm
 
     start = time.perf_counter()
-    compiles, hits = COUNTER.compiles, COUNTER.cache_hits
+    # The executables of this call's threads only (the caller's, which lowers, and the
+    # pool's), not whatever other threads of the process compile meanwhile.
+    tally, outer = Tally(), COUNTER.tally()
+    COUNTER.count_into(tally)
     by_kind: collections.Counter[str] = collections.Counter()
     functions: dict[str, StepFunction] = {}
     switch = _StoreSwitch(store)
@@ -381,7 +418,9 @@ def compile_all(executables: Sequence[StepExecutable], *, progress: bool = True,
     threads = threads or compile_threads()
     with tqdm(total=len(executables), desc=desc, unit="exe", disable=not progress,
               leave=False) as bar:
-        pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="compile")
+        pool = concurrent.futures.ThreadPoolExecutor(
+            threads, thread_name_prefix="compile", initializer=COUNTER.count_into,
+            initargs=(tally,))
         try:
             futures = {}
             for exe in executables:  # lowered here, one by one; compiled in the pool
@@ -397,11 +436,14 @@ def compile_all(executables: Sequence[StepExecutable], *, progress: bool = True,
                 bar.update(1)
         finally:
             pool.shutdown(cancel_futures=True)
+            COUNTER.count_into(outer)
+            if outer is not None:
+                outer.add(tally.compiles, tally.cache_hits)
     report = CompileReport(
         num_executables=len(executables), by_kind=dict(by_kind),
         seconds=time.perf_counter() - start,
-        num_backend_compiles=COUNTER.compiles - compiles,
-        num_cache_hits=COUNTER.cache_hits - hits, num_programs_loaded=loaded,
+        num_backend_compiles=tally.compiles, num_cache_hits=tally.cache_hits,
+        num_programs_loaded=loaded,
         functions=functions, store_off_reason=switch.off_reason)
     logger.info("%d step executables (%s) ready in %.1f s (%d compile threads): %d XLA "
                 "executables, %d loaded from the persistent compilation cache, %d programs "
@@ -432,7 +474,7 @@ class BackgroundCompile:
         self._functions = functions
         self.thread = threading.Thread(target=self._run, args=(list(executables), functions,
                                                               store),
-                                       name="background-compile", daemon=True)
+                                       name=BACKGROUND_COMPILE_THREAD, daemon=True)
         # A daemon thread still inside an XLA compile when the interpreter
         # finalizes aborts the process (SIGABRT, "FATAL: exception not
         # rethrown"): a script that never shuts its LLM down waits for it.

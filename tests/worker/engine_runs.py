@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 
 from jaxserve.engine import EngineCore, EngineCoreRequest
+from jaxserve.worker.compile_manager import BACKGROUND_COMPILE_THREAD
 
 _ENGINES: list[EngineCore] = []
 
@@ -30,10 +31,10 @@ def shut_down_tracked() -> None:
 
 def join_background_compiles() -> None:
     """Waits for every background-compile thread of this process, earlier tests' workers'
-    too: the backend-compile count a test compares (``compile_manager.COUNTER``) is
-    process-wide, and another test's thread still compiling would add to it."""
+    too: a test that compares the process-wide count (``compile_manager.COUNTER.compiles``)
+    must not see another test's thread still compiling."""
     for thread in threading.enumerate():
-        if thread.name == "background-compile":
+        if thread.name == BACKGROUND_COMPILE_THREAD:
             thread.join()
 
 

@@ -23,7 +23,6 @@ from jaxserve.worker.kv_sizing import (DEFAULT_CPU_KV_CACHE_BYTES, DeviceMemory,
                                        HEADROOM_FRACTION, blocks_from_free_memory,
                                        num_kv_blocks, peak_activation_bytes)
 from tests.model.hf_tiny import make_tiny_model
-from tests.worker.engine_runs import join_background_compiles
 
 MiB = 1 << 20
 
@@ -92,7 +91,6 @@ def test_worker_sizes_its_cache_from_reported_device_memory(tiny, monkeypatch, p
                       token_buckets=(1, 8, 32), request_buckets=(1, 4), memory_utilization=0.5,
                       precompile=precompile)
     worker = InProcessWorker(tiny, progress=False)
-    join_background_compiles()  # earlier tests' compiles would count in the report below
     geometry = worker.initialize(init)
     per_block = 2 * config.num_layers * config.num_kv_heads * 8 * config.head_dim * 4
     # The activations of the largest buckets, from the same lowerings, compiled here again.

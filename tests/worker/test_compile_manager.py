@@ -11,6 +11,7 @@ mix every sampling feature, n > 1, aborts, chunked prefill and preemption.
 from __future__ import annotations
 
 import random
+import threading
 
 import jax
 import numpy as np
@@ -22,7 +23,7 @@ from jaxserve.model.loader import load_model
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.step_plan import RecompileError
 from jaxserve.worker import InProcessWorker
-from jaxserve.worker.compile_manager import COUNTER, RecompileGuard
+from jaxserve.worker.compile_manager import COUNTER, RecompileGuard, Tally
 from jaxserve.worker.executables import BACKGROUND_VARIANTS
 from jaxserve.worker.sampler import COMPILED_VARIANTS
 from tests.model.hf_tiny import make_tiny_model
@@ -120,6 +121,34 @@ def test_guard_raises_when_strict_and_counts_otherwise():
     with lenient.watch("step 9"):
         compile_something(6)  # cached: no new executable
     assert (strict.num_recompiles, lenient.num_recompiles) == (1, 1)
+
+
+def test_a_tally_counts_only_the_threads_that_count_into_it():
+    """``compile_all``'s report counts its own threads: another thread's compile, at the
+    same time, lands in the process-wide count only."""
+    quadruple = jax.jit(lambda x: x * 4)
+    tally, before = Tally(), COUNTER.compiles
+    counted, other = threading.Event(), threading.Event()
+
+    def counting():
+        COUNTER.count_into(tally)
+        quadruple(np.arange(7, dtype=np.float32))
+        counted.set()
+        other.wait()  # the other thread compiles while this one still counts
+        COUNTER.count_into(None)
+
+    def not_counting():
+        counted.wait()
+        quadruple(np.arange(9, dtype=np.float32))
+        other.set()
+
+    threads = [threading.Thread(target=counting), threading.Thread(target=not_counting)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert tally.compiles == 1
+    assert COUNTER.compiles - before >= 2
 
 
 def test_precompile_off_compiles_on_first_use(tiny):
