@@ -460,7 +460,11 @@ class BackgroundCompile:
     middle sampler variants: ``executables.split_for_startup``). The
     thread's compiles are its own: a ``RecompileGuard`` watching a step on
     another thread does not count them. A failure is logged, never raised:
-    the worker keeps using what it has.
+    the worker keeps using what it has. They compile in order, except that
+    an executable a step waits for (``wait_for``) moves to the head of the
+    queue: the step waits for at most the compile in progress and its own,
+    not for everything before it (the first request with prompt logprobs
+    after a start, say).
 
     Args:
       executables: what to compile, in order.
@@ -472,8 +476,9 @@ class BackgroundCompile:
                  functions: dict[str, StepFunction], store: ProgramStore | None = None):
         self._stop = threading.Event()
         self._functions = functions
-        self.thread = threading.Thread(target=self._run, args=(list(executables), functions,
-                                                              store),
+        self._lock = threading.Lock()
+        self._queue = collections.deque(executables)  # not yet started, next first
+        self.thread = threading.Thread(target=self._run, args=(functions, store),
                                        name=BACKGROUND_COMPILE_THREAD, daemon=True)
         # A daemon thread still inside an XLA compile when the interpreter
         # finalizes aborts the process (SIGABRT, "FATAL: exception not
@@ -484,29 +489,51 @@ class BackgroundCompile:
         atexit.register(self._finish)
         self.thread.start()
 
-    def _run(self, executables, functions, store) -> None:
+    def _run(self, functions, store) -> None:
         try:
-            self._compile(executables, functions, store)
+            self._compile(functions, store)
         finally:
             atexit.unregister(self._finish)
 
-    def _compile(self, executables, functions, store) -> None:
-        start = time.perf_counter()
+    def _next(self) -> StepExecutable | None:
+        with self._lock:
+            return self._queue.popleft() if self._queue and not self._stop.is_set() else None
+
+    def _compile(self, functions, store) -> None:
+        start, done = time.perf_counter(), 0
         switch = _StoreSwitch(store)
         try:
-            for exe in executables:
-                if self._stop.is_set():
-                    return
+            while (exe := self._next()) is not None:
                 functions[exe.name] = switch.compile(exe, switch.lower(exe))[0]
+                done += 1
         except Exception:  # noqa: BLE001 - the worker runs on without these executables
             logger.exception("background compile failed; the worker keeps using the "
                              "executables it has")
             return
-        logger.info("%d background executables ready in %.1f s", len(executables),
-                    time.perf_counter() - start)
+        if not self._stop.is_set():
+            logger.info("%d background executables ready in %.1f s", done,
+                        time.perf_counter() - start)
+
+    def queued(self) -> list[str]:
+        """The names of the executables not yet started, next first."""
+        with self._lock:
+            return [exe.name for exe in self._queue]
+
+    def prioritize(self, name: str) -> bool:
+        """Moves executable ``name`` to the head of the queue; False if it is not queued
+        (ready, in progress, or not one of these)."""
+        with self._lock:
+            for i, exe in enumerate(self._queue):
+                if exe.name == name:
+                    del self._queue[i]
+                    self._queue.appendleft(exe)
+                    return True
+        return False
 
     def wait_for(self, name: str) -> bool:
-        """Waits until executable ``name`` is ready; False if the thread ended without it."""
+        """Waits until executable ``name`` is ready, compiling it next if it is still
+        queued (``prioritize``); False if the thread ended without it."""
+        self.prioritize(name)
         while name not in self._functions:
             if not self.thread.is_alive():
                 return name in self._functions

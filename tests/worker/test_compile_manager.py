@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 
 import jax
 import numpy as np
@@ -23,7 +24,8 @@ from jaxserve.model.loader import load_model
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.step_plan import RecompileError
 from jaxserve.worker import InProcessWorker
-from jaxserve.worker.compile_manager import COUNTER, RecompileGuard, Tally
+from jaxserve.worker.compile_manager import (COUNTER, BackgroundCompile, RecompileGuard,
+                                             StepExecutable, Tally)
 from jaxserve.worker.executables import BACKGROUND_VARIANTS
 from jaxserve.worker.sampler import COMPILED_VARIANTS
 from tests.model.hf_tiny import make_tiny_model
@@ -149,6 +151,37 @@ def test_a_tally_counts_only_the_threads_that_count_into_it():
         thread.join()
     assert tally.compiles == 1
     assert COUNTER.compiles - before >= 2
+
+
+def test_an_executable_a_step_waits_for_compiles_next():
+    """A step waiting for a background executable waits for the compile in progress and
+    its own, not for the whole queue before it."""
+    tracing, release = threading.Event(), threading.Event()
+
+    def blocker(x):  # traced on the background thread: holds it until released
+        tracing.set()
+        release.wait()
+        return x + 1
+
+    spec = (jax.ShapeDtypeStruct((4,), np.float32),)
+    executables = [StepExecutable("sampler", "blocker", blocker, spec)] + [
+        StepExecutable("sampler", f"f{i}", lambda x, i=i: x * (i + 2), spec) for i in range(4)]
+    functions = {}
+    background = BackgroundCompile(executables, functions)
+    assert tracing.wait(60)
+    waited = []
+    waiter = threading.Thread(target=lambda: waited.append(background.wait_for("f3")))
+    waiter.start()
+    deadline = time.monotonic() + 60
+    while background.queued()[0] != "f3" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert background.queued() == ["f3", "f0", "f1", "f2"]
+    release.set()
+    waiter.join()
+    background.join()
+    assert waited == [True]
+    assert list(functions) == ["blocker", "f3", "f0", "f1", "f2"]  # the order they were ready
+    assert background.queued() == [] and not background.prioritize("f3")
 
 
 def test_precompile_off_compiles_on_first_use(tiny):
