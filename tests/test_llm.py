@@ -82,6 +82,9 @@ def test_greedy_outputs_identical_across_configs(demo_model_dir, loaded, baselin
 
 def test_tiny_kv_cache_preempts_and_outputs_stay_identical(demo_model_dir, loaded, baseline):
     _, prompts, want = baseline
+    # The first 8 requests (4 with the system prompt) already overflow this cache and are
+    # preempted (asserted below); all 32 only add steps of one or two demo-model sequences.
+    prompts, want = prompts[:8], want[:8]
     # 25 blocks of 4 tokens (100 tokens): one sequence of max_model_len (96), a few prompts
     # at once; 8 new tokens take each sequence across block boundaries.
     llm = _llm(demo_model_dir, loaded, num_kv_blocks=26, block_size=4, max_model_len=96,

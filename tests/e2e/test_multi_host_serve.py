@@ -31,8 +31,11 @@ from tests.model.hf_tiny import copy_tokenizer, make_tiny_model
 
 pytestmark = pytest.mark.slow
 
-ENGINE = ("--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--num-kv-blocks", "128",
-          "--block-size", "4", "--max-model-len", "128", "-tp", "4")
+# One sequence at a time and two T buckets: the requests below come one after another,
+# and a multi-host worker compiles every executable before it is ready (no background
+# compile): each R bucket is every sampler variant, each T bucket a body and prompt logprobs.
+ENGINE = ("--max-num-seqs", "1", "--max-num-batched-tokens", "32", "--token-buckets", "1,32",
+          "--num-kv-blocks", "128", "--block-size", "4", "--max-model-len", "128", "-tp", "4")
 PROMPTS = [[5, 9, 2, 7, 1, 3, 8], [11, 200, 31, 4], [42] * 19]
 MAX_TOKENS = 10
 
@@ -59,7 +62,8 @@ def server(tiny_dir):
 
 def _one_device(model) -> list[list[int]]:
     config = EngineConfig(model=str(model), max_model_len=128,
-                          scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32),
+                          scheduler=SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=32,
+                                                    token_buckets=(1, 32)),
                           cache=CacheConfig(block_size=4, num_kv_blocks=128))
     core = EngineCore(config, InProcessWorker(progress=False))
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
