@@ -1,8 +1,8 @@
 """``jaxserve.LLM`` on the demo model (float32, greedy): engine configurations agree.
 
 The same 32 requests (16 share a 64-token system prompt) give token-for-token
-identical greedy outputs with prefix caching on and off, with chunked-prefill
-budgets of 16, 64 and 2048 tokens, and with a KV cache so small that
+identical greedy outputs with prefix caching on and off and with chunked-prefill
+budgets of 16, 64 and 2048 tokens; the first 8 of them with a KV cache so small that
 sequences are preempted (asserted) against a large one. The shared system
 prompt's blocks are reused: the measured hit rate is >= 90% of the
 shareable blocks. The API itself (prompt forms, per-prompt parameters, stop

@@ -410,7 +410,6 @@ def compile_all(executables: Sequence[StepExecutable], *, progress: bool = True,
     # The executables of this call's threads only (the caller's, which lowers, and the
     # pool's), not whatever other threads of the process compile meanwhile.
     tally, outer = Tally(), COUNTER.tally()
-    COUNTER.count_into(tally)
     by_kind: collections.Counter[str] = collections.Counter()
     functions: dict[str, StepFunction] = {}
     switch = _StoreSwitch(store)
@@ -421,6 +420,7 @@ def compile_all(executables: Sequence[StepExecutable], *, progress: bool = True,
         pool = concurrent.futures.ThreadPoolExecutor(
             threads, thread_name_prefix="compile", initializer=COUNTER.count_into,
             initargs=(tally,))
+        COUNTER.count_into(tally)  # restored in the finally below
         try:
             futures = {}
             for exe in executables:  # lowered here, one by one; compiled in the pool

@@ -134,15 +134,19 @@ def test_a_tally_counts_only_the_threads_that_count_into_it():
 
     def counting():
         COUNTER.count_into(tally)
-        quadruple(np.arange(7, dtype=np.float32))
-        counted.set()
-        other.wait()  # the other thread compiles while this one still counts
-        COUNTER.count_into(None)
+        try:
+            quadruple(np.arange(7, dtype=np.float32))
+        finally:
+            counted.set()
+            other.wait(60)  # the other thread compiles while this one still counts
+            COUNTER.count_into(None)
 
     def not_counting():
-        counted.wait()
-        quadruple(np.arange(9, dtype=np.float32))
-        other.set()
+        counted.wait(60)
+        try:
+            quadruple(np.arange(9, dtype=np.float32))
+        finally:
+            other.set()
 
     threads = [threading.Thread(target=counting), threading.Thread(target=not_counting)]
     for thread in threads:
@@ -160,7 +164,9 @@ def test_an_executable_a_step_waits_for_compiles_next():
 
     def blocker(x):  # traced on the background thread: holds it until released
         tracing.set()
-        release.wait()
+        # Bounded: a failure below must not leave the thread, and the trace lock it
+        # holds, blocked for the rest of the test process.
+        release.wait(120)
         return x + 1
 
     spec = (jax.ShapeDtypeStruct((4,), np.float32),)
@@ -168,16 +174,19 @@ def test_an_executable_a_step_waits_for_compiles_next():
         StepExecutable("sampler", f"f{i}", lambda x, i=i: x * (i + 2), spec) for i in range(4)]
     functions = {}
     background = BackgroundCompile(executables, functions)
-    assert tracing.wait(60)
     waited = []
     waiter = threading.Thread(target=lambda: waited.append(background.wait_for("f3")))
-    waiter.start()
-    deadline = time.monotonic() + 60
-    while background.queued()[0] != "f3" and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert background.queued() == ["f3", "f0", "f1", "f2"]
-    release.set()
-    waiter.join()
+    try:
+        assert tracing.wait(60)
+        waiter.start()
+        deadline = time.monotonic() + 60
+        while background.queued()[0] != "f3" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert background.queued() == ["f3", "f0", "f1", "f2"]
+    finally:
+        release.set()
+    if waiter.ident is not None:
+        waiter.join()
     background.join()
     assert waited == [True]
     assert list(functions) == ["blocker", "f3", "f0", "f1", "f2"]  # the order they were ready
